@@ -1,0 +1,229 @@
+"""Samba configuration.
+
+Samba (Ren et al., ICLR 2025) stacks decoder layers, each one mixer and one SwiGLU MLP, both pre-norm with a
+residual. The mixer of layer i is chosen by ``layer_types[i]``:
+
+- ``"linear_attention"``: a Mamba (selective state space) mixer,
+- ``"sliding_attention"``: attention over the last ``sliding_window`` positions (query included), with RoPE,
+- ``"full_attention"``: causal attention over every position, with RoPE.
+
+The default, Mamba on even and sliding attention on odd layers, is Samba. With other ``layer_types`` (and
+``intermediate_size=0`` for "no MLP") the same class describes the paper's baselines: Mamba, Mamba-MLP,
+Llama-2-SWA / Mistral, Llama and the full-attention hybrids.
+
+This file is also the remote code of a saved model: it imports only torch/transformers.
+"""
+
+import math
+
+from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+LAYER_TYPES = ("linear_attention", "sliding_attention", "full_attention")
+
+# Exact shapes of the official checkpoints (microsoft/Samba lit_gpt/config.py: Samba_421M, Samba_1.3B) and of the
+# larger models of the paper (Table 12, which counts a mixer and an MLP as two "layers": 1.7B = 24 of our layers).
+PRESETS = {
+    "samba-421m": dict(
+        vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=12, head_dim=128, max_position_embeddings=4096,
+    ),
+    "samba-1.3b": dict(
+        vocab_size=32000, hidden_size=2304, intermediate_size=6144, num_hidden_layers=18,
+        num_attention_heads=18, num_key_value_heads=18, head_dim=128, max_position_embeddings=4096,
+    ),
+    "samba-1.7b": dict(
+        vocab_size=50304, hidden_size=2048, intermediate_size=8196, num_hidden_layers=24,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+    ),
+    "samba-3.8b": dict(
+        vocab_size=32064, hidden_size=2816, intermediate_size=9984, num_hidden_layers=32,
+        num_attention_heads=11, num_key_value_heads=1, head_dim=256, max_position_embeddings=4096,
+    ),
+    # A few hundred thousand parameters: for tests and demos, not for quality.
+    "tiny": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
+        max_position_embeddings=1024,
+    ),
+}
+
+
+class SambaConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`SambaModel`] / [`SambaForCausalLM`]. The defaults are the official Samba-421M shapes.
+
+    Args:
+        vocab_size (`int`, defaults to 32000): size of the vocabulary.
+        hidden_size (`int`, defaults to 1536): width of the residual stream.
+        intermediate_size (`int`, defaults to 4096): width of the SwiGLU MLP; `0` means no MLP in any layer.
+        num_hidden_layers (`int`, defaults to 12): number of decoder layers (one mixer + one MLP each).
+        num_attention_heads (`int`, defaults to 12): query heads of the attention layers.
+        num_key_value_heads (`int`, defaults to 12): key/value heads (GQA when fewer than the query heads).
+        head_dim (`int`, *optional*, defaults to 128): size of one head; `None` means `hidden_size // num_attention_heads`.
+        hidden_act (`str`, defaults to `"silu"`): activation of the MLP gate and of the Mamba mixer.
+        max_position_embeddings (`int`, defaults to 4096): the training length. Samba needs no limit (SWA + RoPE
+            extrapolate); it only feeds RoPE scaling types that need an original length.
+        initializer_range (`float`, defaults to 0.02): std of the embedding init.
+        rms_norm_eps (`float`, defaults to 1e-5): epsilon of every RMSNorm.
+        use_cache (`bool`, defaults to `True`): return a cache from forward.
+        tie_word_embeddings (`bool`, defaults to `True`): share `lm_head` with `embed_tokens` (as the official code).
+        rope_parameters (`dict`, *optional*): RoPE settings in transformers' format, default
+            `{"rope_type": "default", "rope_theta": 10000.0}`.
+        sliding_window (`int`, defaults to 2048): the query plus `sliding_window - 1` earlier positions are visible
+            to a `"sliding_attention"` layer (flash-attn's `window_size=(2047, 0)` in the official code).
+        attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities while training.
+        attention_bias (`bool`, defaults to `False`): bias on q/k/v/o projections.
+        layer_types (`list[str]`, *optional*): one of `"linear_attention"` (Mamba), `"sliding_attention"`,
+            `"full_attention"` per layer. Default: Mamba on even layers, sliding attention on odd layers.
+        mamba_d_state (`int`, defaults to 16): SSM state size N.
+        mamba_d_conv (`int`, defaults to 4): width of the depthwise causal convolution.
+        mamba_expand (`int`, defaults to 2): inner width = `mamba_expand * hidden_size`.
+        mamba_dt_rank (`int` or `"auto"`, defaults to `"auto"`): rank of the step-size projection;
+            `"auto"` = `ceil(hidden_size / 16)`.
+        mamba_conv_bias (`bool`, defaults to `True`): bias of the depthwise convolution.
+        mamba_proj_bias (`bool`, defaults to `False`): bias of `in_proj` and `out_proj`.
+        mamba_dt_min / mamba_dt_max (`float`, defaults to 1e-3 / 0.1): range of the initial step sizes.
+        mamba_dt_init_floor (`float`, defaults to 1e-4): smallest initial step size.
+        mamba_dt_scale (`float`, defaults to 1.0): scale of the initial `dt_proj` weights.
+
+    Example:
+
+    ```python
+    >>> from samba_hf import SambaConfig, SambaForCausalLM
+    >>> config = SambaConfig.from_preset("tiny")
+    >>> model = SambaForCausalLM(config)
+    ```
+    """
+
+    model_type = "samba"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 32000
+    hidden_size: int = 1536
+    intermediate_size: int = 4096
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int | None = 12
+    head_dim: int | None = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = True
+    rope_parameters: RopeParameters | dict | None = None
+    sliding_window: int | None = 2048
+    attention_dropout: float | int = 0.0
+    attention_bias: bool = False
+    layer_types: list[str] | None = None
+    mamba_d_state: int = 16
+    mamba_d_conv: int = 4
+    mamba_expand: int = 2
+    mamba_dt_rank: int | str = "auto"
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_dt_min: float = 0.001
+    mamba_dt_max: float = 0.1
+    mamba_dt_init_floor: float = 0.0001
+    mamba_dt_scale: float = 1.0
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            if self.num_attention_heads < 1 or self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"SambaConfig: `hidden_size` ({self.hidden_size}) is not divisible by `num_attention_heads` "
+                    f"({self.num_attention_heads}); change one of them or set `head_dim` explicitly."
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = [
+                "linear_attention" if i % 2 == 0 else "sliding_attention" for i in range(self.num_hidden_layers)
+            ]
+        if self.mamba_dt_rank == "auto":
+            self.mamba_dt_rank = math.ceil(self.hidden_size / 16)
+        self._check_samba_fields()
+        super().__post_init__(**kwargs)
+
+    @property
+    def mamba_d_inner(self) -> int:
+        return self.mamba_expand * self.hidden_size
+
+    def _check_samba_fields(self):
+        """Raise a ValueError that names the field and the fix for every combination the model cannot build."""
+
+        def fail(message):
+            raise ValueError(f"SambaConfig: {message}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "mamba_d_state", "mamba_d_conv",
+                     "mamba_expand", "mamba_dt_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fail(f"`{name}` must be a positive integer, got {value!r}.")
+        if not isinstance(self.intermediate_size, int) or self.intermediate_size < 0:
+            fail(f"`intermediate_size` must be >= 0 (0 means no MLP), got {self.intermediate_size!r}.")
+        if not isinstance(self.layer_types, (list, tuple)):
+            fail(f"`layer_types` must be a list of strings, got {type(self.layer_types).__name__}.")
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            fail(
+                f"`layer_types` has {len(self.layer_types)} entries but `num_hidden_layers` is "
+                f"{self.num_hidden_layers}: give exactly one entry per layer, or leave `layer_types` unset for the "
+                "Samba default (Mamba on even, sliding attention on odd layers)."
+            )
+        unknown = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        if unknown:
+            fail(f"`layer_types` contains {unknown}; each entry must be one of {list(LAYER_TYPES)}.")
+        if any(t != "linear_attention" for t in self.layer_types):
+            if self.num_attention_heads < 1:
+                fail(f"`num_attention_heads` must be >= 1 for attention layers, got {self.num_attention_heads}.")
+            if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads != 0:
+                fail(
+                    f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of "
+                    f"`num_key_value_heads` ({self.num_key_value_heads}); pick a divisor for `num_key_value_heads`."
+                )
+            if self.head_dim < 2 or self.head_dim % 2 != 0:
+                fail(f"`head_dim` must be even for RoPE, got {self.head_dim}.")
+        if "sliding_attention" in self.layer_types:
+            if not isinstance(self.sliding_window, int) or self.sliding_window < 1:
+                fail(
+                    f"`sliding_window` must be a positive integer when `layer_types` has sliding layers, got "
+                    f"{self.sliding_window!r}; use 2048 (Samba) or switch those layers to 'full_attention'."
+                )
+        elif self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            fail(f"`sliding_window` must be a positive integer or None, got {self.sliding_window!r}.")
+        if not 0 < self.mamba_dt_min <= self.mamba_dt_max:
+            fail(f"need 0 < `mamba_dt_min` ({self.mamba_dt_min}) <= `mamba_dt_max` ({self.mamba_dt_max}).")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "SambaConfig":
+        """A config with the shapes of a named model: one of `SambaConfig.presets()`; keyword arguments override."""
+        if name not in PRESETS:
+            raise ValueError(f"Unknown Samba preset {name!r}; choose one of {sorted(PRESETS)}.")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @staticmethod
+    def presets() -> list[str]:
+        return list(PRESETS)
+
+
+__all__ = ["SambaConfig"]

@@ -1,0 +1,523 @@
+"""Samba: Mamba layers interleaved with sliding-window attention, each followed by a SwiGLU MLP.
+
+Ren et al., "Samba: Simple Hybrid State Space Models for Efficient Unlimited Context Language Modeling", ICLR 2025.
+
+One forward, as data sees it:
+    input_ids -> embed_tokens -> for each layer: x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x))
+              -> norm -> lm_head (last `logits_to_keep` positions only)
+where the mixer is a `SambaMambaMixer` ("linear_attention" layers) or a `SambaAttention` ("sliding_attention" /
+"full_attention" layers). Decoding state lives in transformers' own hybrid `DynamicCache(config=...)`: one conv
+window and one SSM state per Mamba layer, at most `sliding_window - 1` key/value positions per sliding layer.
+
+This file is also the remote code of a saved model: it imports only torch, transformers and its siblings.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_samba import SambaConfig
+from .ssm_samba import selective_scan
+
+logger = logging.get_logger(__name__)
+
+# The builder of each kind of layer's mask, keyed by layer type (see `SambaModel.forward`).
+MASK_BUILDERS = {
+    "linear_attention": create_recurrent_attention_mask,  # 2D padding mask (or None) for the Mamba mixer
+    "sliding_attention": create_sliding_window_causal_mask,
+    "full_attention": create_causal_mask,
+}
+
+
+class SambaRMSNorm(nn.Module):
+    """RMSNorm with a weight and no bias, computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class SambaRotaryEmbedding(nn.Module):
+    """cos/sin of rotate-half RoPE for given positions, from transformers' rope utilities (so scaling types work)."""
+
+    def __init__(self, config: SambaConfig):
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = config.max_position_embeddings
+        self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        rope_init_fn: Callable = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = rope_init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: SambaConfig, device=None, seq_len=None) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # position_ids (batch, seq) -> cos, sin (batch, seq, head_dim)
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """q, k (batch, heads, seq, head_dim); cos, sin (batch, seq, head_dim)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(batch, kv_heads, seq, head_dim) -> (batch, kv_heads * n_rep, seq, head_dim)."""
+    if n_rep == 1:
+        return hidden_states
+    batch, kv_heads, seq_len, head_dim = hidden_states.shape
+    hidden_states = hidden_states[:, :, None].expand(batch, kv_heads, n_rep, seq_len, head_dim)
+    return hidden_states.reshape(batch, kv_heads * n_rep, seq_len, head_dim)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """Softmax attention with an additive 4D mask (the window is in the mask). Returns (batch, seq, heads, head_dim)."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+    return attn_output, attn_weights
+
+
+class SambaAttention(nn.Module):
+    """Multi-head (GQA-capable) causal attention with RoPE; sliding-window for "sliding_attention" layers."""
+
+    def __init__(self, config: SambaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = config.sliding_window if is_sliding else None
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        # (batch, heads, seq, head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,  # flash-attention reads the window from here, the others from the mask
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class SambaMambaMixer(nn.Module):
+    """The Mamba (selective SSM) mixer, as in mamba-ssm's `Mamba` and the official Samba code.
+
+    in_proj -> (x, z); x: causal depthwise conv (continuing from the cached window) -> SiLU -> x_proj -> (dt, B, C);
+    dt_proj + softplus; selective scan (float32, from the cached SSM state); y * silu(z); out_proj.
+    Every projection is called as a module, so adapters (LoRA) wrapping them take effect.
+    """
+
+    def __init__(self, config: SambaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.mamba_d_inner
+        self.ssm_state_size = config.mamba_d_state
+        self.conv_kernel_size = config.mamba_d_conv
+        self.time_step_rank = config.mamba_dt_rank
+        self.act = ACT2FN[config.hidden_act]
+
+        self.in_proj = nn.Linear(self.hidden_size, 2 * self.intermediate_size, bias=config.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(
+            self.intermediate_size,
+            self.intermediate_size,
+            kernel_size=self.conv_kernel_size,
+            groups=self.intermediate_size,
+            padding=self.conv_kernel_size - 1,
+            bias=config.mamba_conv_bias,
+        )
+        self.x_proj = nn.Linear(self.intermediate_size, self.time_step_rank + 2 * self.ssm_state_size, bias=False)
+        self.dt_proj = nn.Linear(self.time_step_rank, self.intermediate_size, bias=True)
+        # S4D-real initialisation: A = -[1, 2, ..., N] for every channel, stored as log(-A).
+        A = torch.arange(1, self.ssm_state_size + 1, dtype=torch.float32).expand(self.intermediate_size, -1)
+        self.A_log = nn.Parameter(torch.log(A).contiguous())
+        self.D = nn.Parameter(torch.ones(self.intermediate_size))
+        self.out_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.mamba_proj_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        # hidden_states (batch, seq, hidden); attention_mask (batch, seq): 1 for tokens, 0 for padding, or None
+        seq_len = hidden_states.shape[1]
+        mask = attention_mask[:, :, None].to(hidden_states.dtype) if attention_mask is not None else None
+        # Read the SSM state before the conv update below marks the layer as having a previous state.
+        ssm_state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
+
+        x, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # (batch, seq, d_inner) each
+        if mask is not None:
+            x = x * mask
+        # Causal depthwise conv over [cached window, new inputs]; keep the outputs of the new positions.
+        x = x.transpose(1, 2)  # (batch, d_inner, seq)
+        if past_key_values is not None:
+            x = past_key_values.update_conv_state(x, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        x = self.conv1d(x)[..., : x.shape[-1]][..., -seq_len:]
+        x = self.act(x).transpose(1, 2)  # (batch, seq, d_inner)
+        if mask is not None:
+            x = x * mask
+
+        dt, B, C = self.x_proj(x).split([self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
+        dt = nn.functional.softplus(self.dt_proj(dt).float())  # (batch, seq, d_inner), float32
+        if mask is not None:
+            dt = dt * mask  # a zero step leaves the state as it was: padding neither decays nor feeds it
+        A = -torch.exp(self.A_log.float())  # (d_inner, d_state)
+        y, ssm_state = selective_scan(x, dt, A, B, C, self.D, z, ssm_state)
+        if past_key_values is not None:
+            past_key_values.update_recurrent_state(ssm_state, self.layer_idx)
+        return self.out_proj(y)
+
+
+class SambaMLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)) (official w1 = gate, w2 = up, w3 = down)."""
+
+    def __init__(self, config: SambaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SambaDecoderLayer(GradientCheckpointingLayer):
+    """x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x)) (no MLP when intermediate_size == 0)."""
+
+    def __init__(self, config: SambaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.input_layernorm = SambaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if self.layer_type == "linear_attention":
+            self.mamba = SambaMambaMixer(config, layer_idx)
+        else:
+            self.self_attn = SambaAttention(config, layer_idx)
+        if config.intermediate_size > 0:
+            self.post_attention_layernorm = SambaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.mlp = SambaMLP(config)
+        else:
+            self.mlp = None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        if self.layer_type == "linear_attention":
+            hidden_states = self.mamba(hidden_states, attention_mask=attention_mask, past_key_values=past_key_values)
+        else:
+            hidden_states, _ = self.self_attn(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        hidden_states = residual + hidden_states
+        if self.mlp is not None:
+            hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states
+
+
+class SambaPreTrainedModel(PreTrainedModel):
+    config: SambaConfig
+    config_class = SambaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["SambaDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _keep_in_fp32_modules_strict = ["A_log", "mamba.D"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _is_stateful = True
+    _can_record_outputs = {"hidden_states": SambaDecoderLayer, "attentions": SambaAttention}
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """The official recipe (mamba-ssm `Mamba` + Samba's `GPT._init_weights` with `mamba_init`).
+
+        Embeddings N(0, initializer_range); linear layers keep PyTorch's default (kaiming-uniform) with zero biases;
+        the residual-output projections (o_proj, down_proj, mamba.out_proj) are divided by
+        sqrt(residuals_per_layer * num_hidden_layers); Mamba: dt_proj uniform(+-dt_rank^-0.5 * dt_scale), its bias
+        the inverse softplus of log-uniform steps in [dt_min, dt_max], A_log = log(1..N), D = 1.
+        """
+        config = self.config
+        if isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=config.initializer_range)
+        elif isinstance(module, (nn.Linear, nn.Conv1d)):
+            init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+            if module.bias is not None:
+                fan_in = module.weight[0].numel()
+                bound = 1 / math.sqrt(fan_in) if isinstance(module, nn.Conv1d) else 0.0
+                init.uniform_(module.bias, -bound, bound)
+        elif isinstance(module, SambaRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, SambaRotaryEmbedding):
+            super()._init_weights(module)  # refills the non-persistent inv_freq buffers
+        elif isinstance(module, SambaMambaMixer):
+            init.copy_(module.A_log, torch.log(torch.arange(1, module.ssm_state_size + 1, dtype=torch.float32))
+                       .expand(module.intermediate_size, -1))
+            init.ones_(module.D)
+            dt_std = module.time_step_rank**-0.5 * config.mamba_dt_scale
+            init.uniform_(module.dt_proj.weight, -dt_std, dt_std)
+            log_min, log_max = math.log(config.mamba_dt_min), math.log(config.mamba_dt_max)
+            dt = torch.exp(torch.rand(module.intermediate_size) * (log_max - log_min) + log_min)
+            dt = dt.clamp(min=config.mamba_dt_init_floor)
+            init.copy_(module.dt_proj.bias, dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        elif isinstance(module, SambaDecoderLayer):
+            residuals_per_layer = 2 if module.mlp is not None else 1
+            scale = 1.0 / math.sqrt(residuals_per_layer * config.num_hidden_layers)
+            outputs = [module.mlp.down_proj] if module.mlp is not None else []
+            outputs.append(module.mamba.out_proj if module.layer_type == "linear_attention" else module.self_attn.o_proj)
+            for linear in outputs:
+                init.kaiming_uniform_(linear.weight, a=math.sqrt(5))
+                init.copy_(linear.weight, linear.weight * scale)
+
+
+class SambaModel(SambaPreTrainedModel):
+    def __init__(self, config: SambaConfig):
+        super().__init__(config)
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)  # no padding row, as the official code
+        self.layers = nn.ModuleList([SambaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = SambaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = SambaRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | dict | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if self._has_attention_cache(past_key_values) else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        # One mask per kind of layer, built once per forward. generate() may pass them ready-made as a dict.
+        if not isinstance(mask_mapping := attention_mask, dict):
+            mask_kwargs = {
+                "config": self.config,
+                "inputs_embeds": inputs_embeds,
+                "attention_mask": attention_mask,
+                "past_key_values": past_key_values,
+                "position_ids": position_ids,
+            }
+            mask_mapping = {kind: MASK_BUILDERS[kind](**mask_kwargs) for kind in set(self.config.layer_types)}
+
+        hidden_states = inputs_embeds
+        position_embeddings = None
+        if any(kind != "linear_attention" for kind in self.config.layer_types):
+            position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+
+        for decoder_layer in self.layers:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=mask_mapping[decoder_layer.layer_type],
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
+        )
+
+    def _has_attention_cache(self, past_key_values: Cache | None) -> bool:
+        # A cache of Mamba layers only tracks no sequence length (and asking it raises).
+        return past_key_values is not None and any(kind != "linear_attention" for kind in self.config.layer_types)
+
+
+class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: SambaConfig):
+        super().__init__(config)
+        self.model = SambaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | dict | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch, seq)`, *optional*): targets for the next-token loss, shifted
+            inside; -100 marks positions to ignore.
+        logits_to_keep (`int` or `torch.Tensor`, defaults to 0): compute logits only for the last that many positions
+            (0: all), or for the given 1D indices of the sequence dimension.
+
+        Example:
+
+        ```python
+        >>> import torch, samba_hf
+        >>> model = samba_hf.SambaForCausalLM(samba_hf.SambaConfig.from_preset("tiny"))
+        >>> ids = torch.randint(0, 512, (1, 16))
+        >>> out = model(ids, labels=ids)
+        >>> out.loss, out.logits.shape
+        ```"""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["SambaForCausalLM", "SambaModel", "SambaPreTrainedModel"]
