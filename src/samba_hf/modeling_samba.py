@@ -161,6 +161,7 @@ class SambaAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj.is_residual_output = True  # scaled down at init, see SambaPreTrainedModel._init_weights
 
     def forward(
         self,
@@ -235,6 +236,7 @@ class SambaMambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.log(A).contiguous())
         self.D = nn.Parameter(torch.ones(self.intermediate_size))
         self.out_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.mamba_proj_bias)
+        self.out_proj.is_residual_output = True
 
     def forward(
         self,
@@ -279,6 +281,7 @@ class SambaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj.is_residual_output = True
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -357,6 +360,9 @@ class SambaPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=config.initializer_range)
         elif isinstance(module, (nn.Linear, nn.Conv1d)):
             init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+            if getattr(module, "is_residual_output", False):
+                residuals_per_layer = 2 if config.intermediate_size > 0 else 1
+                init.copy_(module.weight, module.weight / math.sqrt(residuals_per_layer * config.num_hidden_layers))
             if module.bias is not None:
                 fan_in = module.weight[0].numel()
                 bound = 1 / math.sqrt(fan_in) if isinstance(module, nn.Conv1d) else 0.0
@@ -375,14 +381,6 @@ class SambaPreTrainedModel(PreTrainedModel):
             dt = torch.exp(torch.rand(module.intermediate_size) * (log_max - log_min) + log_min)
             dt = dt.clamp(min=config.mamba_dt_init_floor)
             init.copy_(module.dt_proj.bias, dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
-        elif isinstance(module, SambaDecoderLayer):
-            residuals_per_layer = 2 if module.mlp is not None else 1
-            scale = 1.0 / math.sqrt(residuals_per_layer * config.num_hidden_layers)
-            outputs = [module.mlp.down_proj] if module.mlp is not None else []
-            outputs.append(module.mamba.out_proj if module.layer_type == "linear_attention" else module.self_attn.o_proj)
-            for linear in outputs:
-                init.kaiming_uniform_(linear.weight, a=math.sqrt(5))
-                init.copy_(linear.weight, linear.weight * scale)
 
 
 class SambaModel(SambaPreTrainedModel):

@@ -1,0 +1,38 @@
+"""Shared helpers: tiny Samba configs and models, built on the fly (no downloads)."""
+
+import pytest
+import torch
+
+from samba_hf import SambaConfig, SambaForCausalLM
+
+
+def tiny_config(**overrides) -> SambaConfig:
+    """A Samba small enough for CPU tests: window 8 so short sequences run several windows past it."""
+    base = dict(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=8, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    base.update(overrides)
+    return SambaConfig(**base)
+
+
+def tiny_model(seed: int = 0, **overrides) -> SambaForCausalLM:
+    torch.manual_seed(seed)
+    model = SambaForCausalLM(tiny_config(**overrides)).eval()
+    randomize_norms(model)
+    return model
+
+
+@torch.no_grad()
+def randomize_norms(model):
+    """Norm weights start at 1; make them non-trivial so a mix-up of norms cannot go unnoticed."""
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            param.uniform_(0.5, 1.5)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(1234)
+    yield

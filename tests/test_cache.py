@@ -1,0 +1,121 @@
+"""The hybrid cache: continuing from it gives the same logits as one pass, and it stays bounded."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
+
+from conftest import tiny_model
+
+LAYOUTS = {
+    "samba": None,  # Mamba on even, sliding attention on odd layers
+    "mamba_full_hybrid": ["linear_attention", "full_attention", "linear_attention", "sliding_attention"],
+    "attention_first": ["sliding_attention", "linear_attention", "full_attention", "linear_attention"],
+}
+
+
+def run_in_chunks(model, ids, sizes, attention_mask=None):
+    cache = DynamicCache(config=model.config)
+    logits, start = [], 0
+    for size in sizes:
+        chunk = ids[:, start : start + size]
+        mask = None if attention_mask is None else attention_mask[:, : start + size]
+        out = model(chunk, attention_mask=mask, past_key_values=cache, use_cache=True)
+        assert out.past_key_values is cache
+        logits.append(out.logits)
+        start += size
+    assert start == ids.shape[1]
+    return torch.cat(logits, dim=1), cache
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("sizes", [[1] * 30, [3, 5, 1, 9, 12], [8, 8, 8, 6], [17, 13], [2, 25, 1, 1, 1]])
+def test_chunked_with_cache_equals_one_pass(layout, sizes):
+    model = tiny_model(layer_types=LAYOUTS[layout])
+    ids = torch.randint(3, model.config.vocab_size, (2, 30))
+    with torch.no_grad():
+        full = model(ids).logits
+        chunked, _ = run_in_chunks(model, ids, sizes)
+    assert (full - chunked).abs().max().item() <= 1e-4
+
+
+def test_cache_has_one_state_per_mamba_layer_and_a_bounded_window():
+    model = tiny_model()
+    c = model.config
+    d_inner = c.mamba_expand * c.hidden_size
+    ids = torch.randint(3, c.vocab_size, (3, 4 * c.sliding_window))
+    cache = DynamicCache(config=c)
+    with torch.no_grad():
+        model(ids[:, :5], past_key_values=cache, use_cache=True)
+        for t in range(5, ids.shape[1]):  # decode token by token, checking every layer after each step
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            for i, layer in enumerate(cache.layers):
+                if c.layer_types[i] == "linear_attention":
+                    assert isinstance(layer, LinearAttentionLayer)
+                    assert layer.conv_states[0].shape == (3, d_inner, c.mamba_d_conv)
+                    assert layer.recurrent_states[0].shape == (3, d_inner, c.mamba_d_state)
+                    assert layer.recurrent_states[0].dtype == torch.float32
+                else:
+                    assert isinstance(layer, DynamicSlidingWindowLayer)
+                    assert layer.keys.shape == (3, c.num_key_value_heads, min(t + 1, c.sliding_window - 1), c.head_dim)
+    assert cache.get_seq_length() == ids.shape[1]
+
+
+def test_forward_with_use_cache_returns_the_hybrid_cache():
+    model = tiny_model()
+    out = model(torch.randint(3, 97, (1, 20)), use_cache=True)
+    kinds = [type(layer).__name__ for layer in out.past_key_values.layers]
+    assert kinds == ["LinearAttentionLayer", "DynamicSlidingWindowLayer"] * 2
+    assert model(torch.randint(3, 97, (1, 4)), use_cache=False).past_key_values is None
+
+
+def test_all_mamba_model_continues_from_its_cache():
+    model = tiny_model(layer_types=["linear_attention"] * 2, num_hidden_layers=2)
+    ids = torch.randint(3, 97, (1, 21))
+    with torch.no_grad():
+        chunked, _ = run_in_chunks(model, ids, [10, 1, 10])
+        assert (model(ids).logits - chunked).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("layout", ["samba", "mamba_full_hybrid"])
+def test_left_padded_rows_equal_the_sequences_run_alone(layout):
+    model = tiny_model(layer_types=LAYOUTS[layout])
+    lengths = [23, 9, 16]
+    seqs = [torch.randint(3, 97, (n,)) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        ids[row, width - len(seq) :] = seq
+        mask[row, width - len(seq) :] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask, position_ids=position_ids).logits
+        for row, seq in enumerate(seqs):
+            alone = model(seq[None]).logits[0]
+            assert (batched[row, width - len(seq) :] - alone).abs().max().item() <= 1e-4
+
+
+def test_left_padded_batch_continues_from_cache():
+    """Prefill a left-padded batch, then decode: each row matches its own unpadded run."""
+    model = tiny_model()
+    seqs = [torch.randint(3, 97, (n,)) for n in (14, 6)]
+    ids = torch.zeros(2, 14, dtype=torch.long)
+    mask = torch.zeros(2, 14, dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        ids[row, 14 - len(seq) :], mask[row, 14 - len(seq) :] = seq, 1
+    nxt = torch.randint(3, 97, (2, 5))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        steps = []
+        for t in range(5):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+            pos = pos[:, -1:] + 1
+            steps.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                               use_cache=True).logits)
+        decoded = torch.cat(steps, dim=1)
+        for row, seq in enumerate(seqs):
+            alone = model(torch.cat([seq, nxt[row]])[None]).logits[0, -5:]
+            assert (decoded[row] - alone).abs().max().item() <= 1e-4

@@ -1,0 +1,132 @@
+"""Samba's layouts against independent implementations: transformers' Mamba, Mistral and Llama, and float64."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM, MistralConfig, MistralForCausalLM
+
+from samba_hf.ssm_samba import selective_scan
+
+from conftest import tiny_model
+
+TOL = 1e-4
+
+
+def _max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+def test_all_mamba_matches_transformers_mamba():
+    model = tiny_model(layer_types=["linear_attention"] * 3, num_hidden_layers=3, intermediate_size=0)
+    c = model.config
+    ref_config = MambaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, state_size=c.mamba_d_state, num_hidden_layers=3,
+        layer_norm_epsilon=c.rms_norm_eps, expand=c.mamba_expand, conv_kernel=c.mamba_d_conv, use_bias=False,
+        use_conv_bias=True, time_step_rank=c.mamba_dt_rank, tie_word_embeddings=True, residual_in_fp32=False,
+    )
+    reference = MambaForCausalLM(ref_config).eval()
+    renames = {"model.embed_tokens": "backbone.embeddings", "model.norm": "backbone.norm_f",
+               ".input_layernorm": ".norm", ".mamba.": ".mixer.", "model.layers": "backbone.layers"}
+    state = {}
+    for key, value in model.state_dict().items():
+        for old, new in renames.items():
+            key = key.replace(old, new)
+        state[key] = value
+    missing, unexpected = reference.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    reference.tie_weights()
+
+    ids = torch.randint(3, c.vocab_size, (2, 40))
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, reference(ids).logits
+    assert theirs.abs().max() > 0.1
+    assert _max_diff(ours, theirs) <= TOL
+
+
+def _attention_reference(model, reference_cls, reference_config):
+    reference = reference_cls(reference_config).eval()
+    result = reference.load_state_dict(model.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    return reference
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_all_sliding_matches_mistral(attn_implementation):
+    model = tiny_model(layer_types=["sliding_attention"] * 3, num_hidden_layers=3)
+    model.config._attn_implementation = attn_implementation
+    c = model.config
+    reference = _attention_reference(model, MistralForCausalLM, MistralConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=3, num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, sliding_window=c.sliding_window, rms_norm_eps=c.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
+        max_position_embeddings=c.max_position_embeddings, attn_implementation=attn_implementation,
+    ))
+    ids = torch.randint(3, c.vocab_size, (2, 5 * c.sliding_window))  # several windows long
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, reference(ids).logits
+    assert _max_diff(ours, theirs) <= TOL
+    # the window matters: the same model with full attention gives other logits
+    model.config.layer_types = ["full_attention"] * 3
+    for layer in model.model.layers:
+        layer.layer_type, layer.self_attn.sliding_window = "full_attention", None
+    with torch.no_grad():
+        assert _max_diff(model(ids).logits, theirs) > 1e-3
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_all_full_attention_matches_llama(attn_implementation):
+    model = tiny_model(layer_types=["full_attention"] * 3, num_hidden_layers=3, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    model.config._attn_implementation = attn_implementation
+    c = model.config
+    reference = _attention_reference(model, LlamaForCausalLM, LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=3, num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        tie_word_embeddings=True, max_position_embeddings=c.max_position_embeddings,
+        attn_implementation=attn_implementation,
+    ))
+    ids = torch.randint(3, c.vocab_size, (2, 30))
+    with torch.no_grad():
+        assert _max_diff(model(ids).logits, reference(ids).logits) <= TOL
+
+
+def test_rope_scaling_reaches_the_attention():
+    plain = tiny_model(layer_types=["full_attention"] * 2, num_hidden_layers=2)
+    scaled = tiny_model(layer_types=["full_attention"] * 2, num_hidden_layers=2,
+                        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    assert torch.allclose(scaled.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq / 4)
+    ids = torch.randint(3, 97, (1, 12))
+    with torch.no_grad():
+        assert _max_diff(plain(ids).logits, scaled(ids).logits) > 1e-4
+
+
+def float64_recurrence(u, dt, A, B, C, D, z, h0):
+    """The Mamba recurrence written out step by step in float64."""
+    u, dt, A, B, C, D, z, h = (t.double() for t in (u, dt, A, B, C, D, z, h0))
+    ys = []
+    for t in range(u.shape[1]):
+        h = torch.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * u[:, t])[..., None] * B[:, t, None, :]
+        y = (h * C[:, t, None, :]).sum(-1) + D * u[:, t]
+        ys.append(y * z[:, t] * torch.sigmoid(z[:, t]))
+    return torch.stack(ys, dim=1), h
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 64, 150])
+def test_scan_matches_float64_recurrence(seq_len):
+    b, d, n = 2, 6, 5
+    u, z = torch.randn(b, seq_len, d), torch.randn(b, seq_len, d)
+    dt = torch.nn.functional.softplus(torch.randn(b, seq_len, d) - 2)
+    A = -torch.exp(torch.randn(d, n))
+    B, C, D, h0 = torch.randn(b, seq_len, n), torch.randn(b, seq_len, n), torch.randn(d), torch.randn(b, d, n)
+    y, h = selective_scan(u, dt, A, B, C, D, z, h0)
+    y_ref, h_ref = float64_recurrence(u, dt, A, B, C, D, z, h0)
+    assert y.dtype == torch.float32 and h.dtype == torch.float32
+    assert _max_diff(y.double(), y_ref) <= 1e-5
+    assert _max_diff(h.double(), h_ref) <= 1e-5
+
+
+def test_scan_in_bf16_keeps_float32_state():
+    u = torch.randn(1, 10, 4).bfloat16()
+    dt = torch.full((1, 10, 4), 0.1)
+    y, h = selective_scan(u, dt, -torch.ones(4, 3), torch.randn(1, 10, 3), torch.randn(1, 10, 3))
+    assert y.dtype == torch.bfloat16 and h.dtype == torch.float32

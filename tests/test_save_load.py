@@ -1,0 +1,128 @@
+"""save_pretrained / from_pretrained, with our package and as remote code without it."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from samba_hf import SambaForCausalLM
+
+from conftest import tiny_model
+
+REMOTE_FILES = {"configuration_samba.py", "modeling_samba.py", "ssm_samba.py"}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("saved")
+    model = tiny_model(seed=7)
+    model.save_pretrained(folder)
+    ids = torch.randint(3, 97, (2, 25))
+    with torch.no_grad():
+        logits = model(ids).logits
+    torch.save({"ids": ids, "logits": logits}, folder / "expected.pt")
+    return folder, model, ids, logits
+
+
+def test_folder_holds_safetensors_config_and_remote_code(saved):
+    folder, *_ = saved
+    files = set(os.listdir(folder))
+    assert "model.safetensors" in files and "config.json" in files
+    assert REMOTE_FILES <= files
+    config = json.load(open(folder / "config.json"))
+    assert config["model_type"] == "samba"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_samba.SambaForCausalLM"
+    assert config["auto_map"]["AutoConfig"] == "configuration_samba.SambaConfig"
+
+
+def test_remote_code_imports_only_torch_transformers_and_siblings(saved):
+    folder, *_ = saved
+    for name in REMOTE_FILES:
+        for line in open(folder / name):
+            stripped = line.strip()
+            if stripped.startswith(("import ", "from ")) and not line.startswith((" ", "\t")):
+                module = stripped.split()[1]
+                assert module.split(".")[0] in {"torch", "transformers", "math", "collections"} or module.startswith("."), (name, stripped)
+
+
+def test_round_trip_with_the_package(saved):
+    folder, model, ids, logits = saved
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    assert type(loaded) is SambaForCausalLM
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert torch.equal(loaded.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, logits)
+
+
+def test_bf16_round_trip(tmp_path):
+    model = tiny_model(seed=2).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    loaded = SambaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a.float(), b.float()), name
+    ids = torch.randint(3, 97, (1, 12))
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, loaded(ids).logits
+    # `from_pretrained` keeps A_log and D in float32 where `.to(bfloat16)` rounded them: equal up to bf16 rounding
+    assert theirs.dtype == torch.bfloat16
+    assert (ours.float() - theirs.float()).abs().max() < 2e-2
+
+
+def test_loading_in_bf16_keeps_a_log_and_d_in_float32(saved):
+    folder, *_ = saved
+    loaded = SambaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    mixer = loaded.model.layers[0].mamba
+    assert mixer.in_proj.weight.dtype == torch.bfloat16
+    assert mixer.A_log.dtype == torch.float32 and mixer.D.dtype == torch.float32
+
+
+def test_untied_round_trip(tmp_path):
+    model = tiny_model(seed=4, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    model.save_pretrained(tmp_path)
+    loaded = SambaForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is not loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_trust_remote_code_without_the_package(saved):
+    """A fresh interpreter in which `import samba_hf` fails loads the folder through its own code."""
+    folder, *_ = saved
+    script = textwrap.dedent(f"""
+        import builtins, sys, torch
+        real_import = builtins.__import__
+        def guarded(name, *args, **kwargs):
+            if name == "samba_hf" or name.startswith("samba_hf."):
+                raise ImportError("samba_hf is hidden in this test")
+            return real_import(name, *args, **kwargs)
+        builtins.__import__ = guarded
+        sys.path = [p for p in sys.path if "samba" not in p.lower() or "site-packages" in p]
+        try:
+            import samba_hf
+            raise SystemExit("samba_hf should not be importable here")
+        except ImportError:
+            pass
+        from transformers import AutoModelForCausalLM
+        folder = {str(folder)!r}
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        expected = torch.load(folder + "/expected.pt")
+        with torch.no_grad():
+            logits = model(expected["ids"]).logits
+        assert torch.equal(logits, expected["logits"]), (logits - expected["logits"]).abs().max()
+        print("REMOTE-OK", type(model).__name__)
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(folder / "modules_cache")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=folder)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "REMOTE-OK SambaForCausalLM" in result.stdout
