@@ -426,7 +426,11 @@ class SambaModel(SambaPreTrainedModel):
                 "past_key_values": past_key_values,
                 "position_ids": position_ids,
             }
-            mask_mapping = {kind: MASK_BUILDERS[kind](**mask_kwargs) for kind in set(self.config.layer_types)}
+            # Each mask is sized against the cache of the first layer of its kind.
+            mask_mapping = {
+                kind: MASK_BUILDERS[kind](**mask_kwargs, layer_idx=self.config.layer_types.index(kind))
+                for kind in set(self.config.layer_types)
+            }
 
         hidden_states = inputs_embeds
         position_embeddings = None
