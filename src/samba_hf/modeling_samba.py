@@ -521,5 +521,30 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
+    def cache_nbytes(self, batch_size: int = 1, seq_len: int | None = None, dtype: torch.dtype | None = None) -> int:
+        """Bytes held by the generation cache (`DynamicCache(config=...)`) once `seq_len` tokens have been seen.
+
+        Per Mamba layer: one conv window (batch, d_inner, d_conv) in the model dtype and one SSM state
+        (batch, d_inner, d_state) in float32, whatever the length. Per sliding layer: keys and values for at most
+        `sliding_window - 1` positions. Per full-attention layer: keys and values for all `seq_len` positions.
+        `seq_len=None` means "any length past the window" (the size a Samba layout never exceeds); it is an error
+        for layouts with full-attention layers, whose cache has no bound.
+        """
+        config = self.config
+        element = torch.finfo(dtype or self.dtype).bits // 8
+        kv_per_position = 2 * batch_size * config.num_key_value_heads * config.head_dim * element
+        total = 0
+        for kind in config.layer_types:
+            if kind == "linear_attention":
+                total += batch_size * config.mamba_d_inner * (config.mamba_d_conv * element + config.mamba_d_state * 4)
+            elif kind == "sliding_attention":
+                window = config.sliding_window - 1
+                total += kv_per_position * (window if seq_len is None else min(seq_len, window))
+            elif seq_len is None:
+                raise ValueError("this layout has full-attention layers, whose cache grows with length: pass seq_len")
+            else:
+                total += kv_per_position * seq_len
+        return total
+
 
 __all__ = ["SambaForCausalLM", "SambaModel", "SambaPreTrainedModel"]

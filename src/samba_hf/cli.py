@@ -1,0 +1,196 @@
+"""The `samba-hf` command line.
+
+    samba-hf generate "prompt" [--model PATH_OR_NAME] [--max-new-tokens N] [--do-sample] [--temperature T]
+                               [--top-k K] [--top-p P] [--seed S] [--dtype auto|float32|bfloat16|float16]
+                               [--device auto|cpu|cuda|cuda:N|mps] [--prefill-chunk-size N]
+
+Without --model it runs the embedded default that ships inside the package. Mistakes a user can make (a missing
+folder, a folder that is not a Samba model, a prompt the model cannot take, a device that is not there) end with
+one line on stderr and exit status 1, never a traceback.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from importlib import resources
+
+DEFAULT_MODEL_NOTE = (
+    "embedded default model: the 'tiny' preset with seeded random weights (untrained, so the text is noise; "
+    "pass --model for a real checkpoint)"
+)
+
+
+class UserError(Exception):
+    """A mistake on the command line: printed as one line, exit status 1."""
+
+
+def default_model_path() -> str:
+    return str(resources.files("samba_hf") / "default_model")
+
+
+def resolve_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"unknown device {name!r}; use cpu, cuda, cuda:N or mps")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {name!r} is not available here (no CUDA GPU visible to torch); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"device {name!r} is not available here; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"device {name!r} is not supported by samba-hf generate; use cpu, cuda or mps")
+    return device
+
+
+def resolve_dtype(name: str, device):
+    import torch
+
+    if name == "auto":  # bf16 matmuls are very slow on CPUs without bf16 units
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def check_model_folder(path: str) -> None:
+    """A local folder must hold a Samba config.json; say what is wrong otherwise."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise UserError(f"{path!r} is not a model folder (no config.json in it)")
+    try:
+        with open(config_file) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot read {config_file!r}: {error}")
+    if model_type != "samba":
+        raise UserError(
+            f"{path!r} holds a {model_type!r} model, not a Samba model; convert it first (samba-hf convert) "
+            "or point --model at a Samba folder"
+        )
+
+
+def load(model_arg: str | None, device, dtype):
+    import samba_hf  # noqa: F401  (registers "samba" with the Auto classes)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    path = model_arg or default_model_path()
+    if os.path.isdir(path):
+        check_model_folder(path)
+    elif model_arg is not None and (os.sep in model_arg and not _looks_like_hub_name(model_arg) or model_arg.startswith(".")):
+        raise UserError(f"no such model folder: {model_arg!r}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"cannot load model {path!r}: {first_line}")
+    if getattr(model.config, "model_type", None) != "samba":
+        raise UserError(f"{path!r} is a {model.config.model_type!r} model, not a Samba model")
+    return tokenizer, model.to(device).eval()
+
+
+def _looks_like_hub_name(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith(("/", "."))
+
+
+def max_prompt_tokens(config) -> int | None:
+    """The longest prompt a model takes in one piece: unbounded for Mamba/sliding-window layouts (chunked prefill,
+    bounded cache); `max_position_embeddings` when full-attention layers must hold every position."""
+    if "full_attention" in config.layer_types:
+        return config.max_position_embeddings
+    return None
+
+
+def generate(args) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    if args.prefill_chunk_size is not None and args.prefill_chunk_size < 1:
+        raise UserError("--prefill-chunk-size must be at least 1")
+    tokenizer, model = load(args.model, device, dtype)
+    if args.model is None:
+        print(f"samba-hf: {DEFAULT_MODEL_NOTE}", file=sys.stderr)
+
+    input_ids = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    if input_ids.shape[1] == 0:
+        raise UserError("the prompt is empty; give some text to continue")
+    limit = max_prompt_tokens(model.config)
+    if limit is not None and input_ids.shape[1] + args.max_new_tokens > limit:
+        raise UserError(
+            f"the prompt has {input_ids.shape[1]} tokens and {args.max_new_tokens} more were asked for, but this "
+            f"model's full-attention layers take at most {limit} positions; shorten the prompt or --max-new-tokens"
+        )
+
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, pad_token_id=tokenizer.pad_token_id)
+    if args.do_sample:
+        options.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.prefill_chunk_size is not None and input_ids.shape[1] > args.prefill_chunk_size:
+        options["prefill_chunk_size"] = args.prefill_chunk_size
+
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    streamer = TextStreamer(tokenizer, skip_prompt=True)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **options)
+    elapsed = time.perf_counter() - start
+    new_tokens = output.shape[1] - input_ids.shape[1]
+    print(
+        f"samba-hf: {new_tokens} new tokens from a {input_ids.shape[1]}-token prompt in {elapsed:.2f} s "
+        f"({new_tokens / elapsed:.1f} tokens/s, {device.type}, {str(dtype).removeprefix('torch.')})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="samba-hf", description="Samba language models on transformers.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="continue a prompt, streaming the tokens as they come")
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("--model", default=None, help="a Samba model folder or Hub name (default: the embedded model)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=50)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same tokens)")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="auto: float32 on CPU, bfloat16 on CUDA")
+    gen.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
+    gen.add_argument("--prefill-chunk-size", type=int, default=8192,
+                     help="prompts longer than this are read in chunks of this many tokens (bounded memory)")
+    gen.set_defaults(run=generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except UserError as error:
+        print(f"samba-hf: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nsamba-hf: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""`samba-hf generate`: streams on the embedded default, and user mistakes give one line and a non-zero exit."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from samba_hf.cli import default_model_path, main
+
+from conftest import tiny_model
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "samba_hf.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_on_the_embedded_default_streams_greedy_tokens():
+    result = run_cli("generate", "Samba is", "--max-new-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert "embedded default model" in result.stderr and "random weights" in result.stderr
+    assert "12 new tokens" in result.stderr
+    path = default_model_path()
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    ids = tokenizer("Samba is", return_tensors="pt", add_special_tokens=False).input_ids
+    expected = tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :])
+    assert result.stdout.rstrip("\n") == "Samba is" + expected
+
+
+def test_sampling_with_a_seed_is_reproducible(capsys):
+    outputs = []
+    for seed in (1, 1, 2):
+        assert main(["generate", "abc", "--do-sample", "--seed", str(seed), "--max-new-tokens", "16", "--top-k", "0"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0] != outputs[2]
+
+
+def one_line_error(capsys, argv, *fragments):
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("samba-hf: error: "), err
+    assert "Traceback" not in "\n".join(err)
+    for fragment in fragments:
+        assert fragment in err[-1], err[-1]
+
+
+def test_missing_folder(capsys, tmp_path):
+    one_line_error(capsys, ["generate", "hi", "--model", str(tmp_path / "nope")], "no such model folder")
+
+
+def test_folder_without_config(capsys, tmp_path):
+    one_line_error(capsys, ["generate", "hi", "--model", str(tmp_path)], "not a model folder")
+
+
+def test_folder_of_another_model_type(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    one_line_error(capsys, ["generate", "hi", "--model", str(tmp_path)], "'llama' model, not a Samba model")
+
+
+def test_device_that_is_not_there(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    one_line_error(capsys, ["generate", "hi", "--device", "cuda"], "not available")
+    one_line_error(capsys, ["generate", "hi", "--device", "warp-drive"], "unknown device")
+
+
+def test_empty_prompt(capsys):
+    one_line_error(capsys, ["generate", ""], "prompt is empty")
+
+
+def test_prompt_too_long_for_full_attention_layers(capsys, tmp_path):
+    model = tiny_model(layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=32,
+                       vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(tmp_path)
+    one_line_error(capsys, ["generate", "x" * 40, "--model", str(tmp_path)], "at most 32 positions")
+    assert main(["generate", "x" * 10, "--model", str(tmp_path), "--max-new-tokens", "4"]) == 0
+
+
+def test_long_prompt_goes_through_chunked_prefill(capsys):
+    assert main(["generate", "abcdefgh" * 40, "--max-new-tokens", "4", "--prefill-chunk-size", "64"]) == 0
+    assert "320-token prompt" in capsys.readouterr().err
