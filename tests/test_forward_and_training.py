@@ -74,7 +74,7 @@ def test_tuple_outputs_hidden_states_and_attentions():
     assert attn.shape == (1, 4, 10, 10)
     window = model.config.sliding_window
     assert attn[0, :, 9, : 10 - window].abs().max() == 0 and attn[0, :, 9, 10 - window :].min() > 0
-    assert isinstance(as_tuple, tuple) and as_tuple[0].ndim == 0 and torch.allclose(as_tuple[1], out.logits)
+    assert isinstance(as_tuple, tuple) and as_tuple[0].ndim == 0 and torch.allclose(as_tuple[1], out.logits, atol=1e-5)
 
 
 def test_inputs_embeds_equal_input_ids():
@@ -103,8 +103,9 @@ def test_mask_dict_from_generate_is_accepted():
         plain = model(ids, attention_mask=mask).logits
         given = model(ids, attention_mask=masks).logits
         unwindowed = model(ids, attention_mask={**masks, "sliding_attention": None}).logits
-    assert torch.allclose(plain, given, atol=1e-5)
-    assert not torch.allclose(plain, unwindowed, atol=1e-3)  # the dict is really what the layers use
+    real = mask.bool()  # outputs at padded positions are meaningless: compare the real tokens
+    assert torch.allclose(plain[real], given[real], atol=1e-5)
+    assert not torch.allclose(plain[real], unwindowed[real], atol=1e-3)  # the dict is really what the layers use
 
 
 def test_bf16_forward_keeps_mamba_numerics_in_float32():

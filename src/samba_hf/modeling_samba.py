@@ -142,6 +142,50 @@ def eager_attention_forward(
     return attn_output, attn_weights
 
 
+def sliding_window_attention_blockwise(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    window: int,
+    scaling: float,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Sliding-window attention computed one block of `window` queries at a time, never building an L x L mask:
+    time and memory grow linearly with the length instead of quadratically.
+
+    query (batch, heads, q_len, head_dim); key/value (batch, kv_heads, kv_len, head_dim) where the first
+    kv_len - q_len keys are cached positions just before the queries; padding_mask (batch, kv_len) bool (False =
+    padding) or None. A query at index i sees the keys at indices i - window + 1 .. i. Returns (batch, q_len, heads,
+    head_dim), like the attention interface.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    past = kv_len - q_len
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
+    output = torch.empty_like(query)
+    for start in range(0, q_len, window):
+        end = min(start + window, q_len)
+        k_lo, k_hi = max(0, past + start - window + 1), past + end
+        q_pos = torch.arange(past + start, past + end, device=query.device)[:, None]
+        k_pos = torch.arange(k_lo, k_hi, device=query.device)[None, :]
+        mask = ((q_pos - k_pos) >= 0) & ((q_pos - k_pos) < window)  # (q_block, k_block)
+        mask = mask[None, None]
+        if padding_mask is not None:
+            mask = mask & padding_mask[:, None, None, k_lo:k_hi]
+            mask = mask | ~mask.any(-1, keepdim=True)  # a padded query that sees nothing: any finite output will do
+        output[:, :, start:end] = nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, k_lo:k_hi], value[:, :, k_lo:k_hi], attn_mask=mask,
+            dropout_p=dropout, scale=scaling,
+        )
+    return output.transpose(1, 2).contiguous()
+
+
+# Attention implementations for which a long sliding-window prefill is computed block by block.
+BLOCKWISE_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
 class SambaAttention(nn.Module):
     """Multi-head (GQA-capable) causal attention with RoPE; sliding-window for "sliding_attention" layers."""
 
@@ -184,6 +228,14 @@ class SambaAttention(nn.Module):
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
+        if self._is_blockwise(query_states, attention_mask):
+            padding = None if attention_mask is None else attention_mask[:, -key_states.shape[2] :]
+            attn_output = sliding_window_attention_blockwise(
+                self, query_states, key_states, value_states, padding, self.sliding_window, self.scaling,
+                dropout=0.0 if not self.training else self.attention_dropout,
+            )
+            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
+
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -200,6 +252,16 @@ class SambaAttention(nn.Module):
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
+
+    def _is_blockwise(self, query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+        """SambaModel hands a sliding layer a 2D padding mask (or None) instead of a 4D mask when the prompt is
+        longer than the window and the implementation has no window of its own (see `SambaModel.forward`)."""
+        return (
+            self.sliding_window is not None
+            and query.shape[2] > self.sliding_window
+            and self.config._attn_implementation in BLOCKWISE_IMPLEMENTATIONS
+            and (attention_mask is None or attention_mask.ndim == 2)
+        )
 
 
 class SambaMambaMixer(nn.Module):
@@ -430,7 +492,11 @@ class SambaModel(SambaPreTrainedModel):
             mask_mapping = {
                 kind: MASK_BUILDERS[kind](**mask_kwargs, layer_idx=self.config.layer_types.index(kind))
                 for kind in set(self.config.layer_types)
+                if not (kind == "sliding_attention" and self._blockwise_sliding(inputs_embeds, past_key_values, kwargs))
             }
+            if "sliding_attention" not in mask_mapping and "sliding_attention" in self.config.layer_types:
+                # Long input: sliding layers go block by block from the 2D padding mask (no L x L mask is built).
+                mask_mapping["sliding_attention"] = None if attention_mask is None else attention_mask.bool()
 
         hidden_states = inputs_embeds
         position_embeddings = None
@@ -449,6 +515,17 @@ class SambaModel(SambaPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
+        )
+
+    def _blockwise_sliding(self, inputs_embeds: torch.Tensor, past_key_values: Cache | None, kwargs: dict) -> bool:
+        """Whether this forward computes its sliding-window layers block by block: inputs longer than the window,
+        an implementation without a window of its own (eager, sdpa), no attention weights asked for, and no cache or
+        the dynamic one (static caches come with ready-made masks from generate)."""
+        return (
+            inputs_embeds.shape[1] > self.config.sliding_window
+            and self.config._attn_implementation in BLOCKWISE_IMPLEMENTATIONS
+            and not kwargs.get("output_attentions", self.config.output_attentions)
+            and (past_key_values is None or type(past_key_values) is DynamicCache)
         )
 
     def _has_attention_cache(self, past_key_values: Cache | None) -> bool:
