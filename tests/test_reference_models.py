@@ -130,3 +130,63 @@ def test_scan_in_bf16_keeps_float32_state():
     dt = torch.full((1, 10, 4), 0.1)
     y, h = selective_scan(u, dt, -torch.ones(4, 3), torch.randn(1, 10, 3), torch.randn(1, 10, 3))
     assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
+
+
+def test_scan_stays_exact_at_64k_tokens():
+    """No cumulative products: a 64K-token scan (strong and weak decays mixed) matches float64 to the end."""
+    b, d, n, L = 1, 4, 4, 65536
+    g = torch.Generator().manual_seed(0)
+    u, z = torch.randn(b, L, d, generator=g), torch.randn(b, L, d, generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(b, L, d, generator=g) * 2 - 1)  # steps from ~0.01 to ~5
+    A = -torch.tensor([[0.001, 0.1, 1.0, 16.0]] * d)  # near-constant to near-instant forgetting
+    B, C = torch.randn(b, L, n, generator=g), torch.randn(b, L, n, generator=g)
+    D = torch.ones(d)
+    y, h = selective_scan(u, dt, A, B, C, D, z)
+    y_ref, h_ref = float64_recurrence(u, dt, A, B, C, D, z, torch.zeros(b, d, n))
+    assert torch.isfinite(y).all() and torch.isfinite(h).all()
+    assert _max_diff(h.double(), h_ref) <= 1e-4 * max(1.0, h_ref.abs().max().item())
+    assert _max_diff(y[:, -1000:].double(), y_ref[:, -1000:]) <= 1e-4 * max(1.0, y_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("window, past, q_len", [(8, 0, 37), (8, 7, 20), (600, 0, 1500), (600, 599, 1100), (5, 3, 1)])
+def test_blockwise_sliding_attention_equals_dense(window, past, q_len):
+    from types import SimpleNamespace
+
+    from samba_hf.modeling_samba import sliding_window_attention_blockwise
+
+    g = torch.Generator().manual_seed(window + past + q_len)
+    b, heads, kv_heads, dim = 2, 4, 2, 8
+    q = torch.randn(b, heads, q_len, dim, generator=g)
+    k, v = torch.randn(b, kv_heads, past + q_len, dim, generator=g), torch.randn(b, kv_heads, past + q_len, dim, generator=g)
+    padding = torch.ones(b, past + q_len, dtype=torch.bool)
+    padding[1, : (past + q_len) // 3] = False  # left padding in the second row
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads)
+    out = sliding_window_attention_blockwise(module, q, k, v, padding, window, dim**-0.5)
+
+    # dense reference: full score matrix with the band and padding applied
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = (q @ kk.transpose(-1, -2)) * dim**-0.5
+    i = torch.arange(past, past + q_len)[:, None]
+    j = torch.arange(past + q_len)[None, :]
+    allowed = ((i - j) >= 0) & ((i - j) < window) & padding[:, None, None, :]
+    ref = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num() @ vv
+    real = allowed.any(-1)[:, 0]  # queries that see at least one key (others are padding)
+    assert out.shape == (b, q_len, heads, dim)
+    assert (out.transpose(1, 2)[real[:, None].expand(-1, heads, -1)] - ref[real[:, None].expand(-1, heads, -1)]).abs().max() <= 1e-5
+
+
+def test_long_inputs_build_no_full_sliding_mask(monkeypatch):
+    """Past the window, sliding layers go block by block: the L x L sliding mask builder is never called."""
+    import samba_hf.modeling_samba as modeling
+
+    model = tiny_model()
+    ids = torch.randint(3, 97, (1, 50))
+    with torch.no_grad():
+        expected = model(ids).logits
+
+    def refuse(**kwargs):
+        raise AssertionError("an L x L sliding-window mask was built")
+
+    monkeypatch.setitem(modeling.MASK_BUILDERS, "sliding_attention", refuse)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)

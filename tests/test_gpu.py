@@ -1,0 +1,64 @@
+"""Kernel paths against the PyTorch path, on a GPU. Skipped where there is none (CI has none).
+
+Run on a GPU machine with `python -m pytest -q tests/test_gpu.py` (mamba-ssm / flash-attn parts are skipped when
+those packages are not installed)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from samba_hf import ssm_samba
+
+from conftest import tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_mamba_ssm = pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None, reason="needs mamba-ssm")
+
+
+@needs_mamba_ssm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_scan_kernel_matches_pytorch(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, L, d, n = 2, 300, 64, 16
+    u = torch.randn(b, L, d, device="cuda", generator=g).to(dtype)
+    z = torch.randn(b, L, d, device="cuda", generator=g).to(dtype)
+    dt = torch.nn.functional.softplus(torch.randn(b, L, d, device="cuda", generator=g) - 2)
+    A = -torch.exp(torch.randn(d, n, device="cuda", generator=g))
+    B, C = torch.randn(b, L, n, device="cuda", generator=g), torch.randn(b, L, n, device="cuda", generator=g)
+    D = torch.randn(d, device="cuda", generator=g)
+    y_k, h_k = ssm_samba.selective_scan(u, dt, A, B, C, D, z)
+    y_p, h_p = ssm_samba.selective_scan_pytorch(u, dt, A, B, C, D, z)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    assert (y_k.float() - y_p.float()).abs().max() <= tol * max(1, y_p.abs().max().item())
+    assert (h_k - h_p).abs().max() <= tol * max(1, h_p.abs().max().item())
+    # one-token step from a state: selective_state_update
+    y1_k, h1_k = ssm_samba.selective_scan(u[:, :1], dt[:, :1], A, B[:, :1], C[:, :1], D, z[:, :1], h_p)
+    y1_p, h1_p = ssm_samba.selective_scan_pytorch(u[:, :1], dt[:, :1], A, B[:, :1], C[:, :1], D, z[:, :1], h_p)
+    assert (y1_k.float() - y1_p.float()).abs().max() <= tol * max(1, y1_p.abs().max().item())
+    assert (h1_k - h1_p).abs().max() <= tol * max(1, h1_p.abs().max().item())
+
+
+def _greedy(model, ids, steps):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention", "flash_attention_2"])
+def test_model_on_gpu_matches_cpu(attn):
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("needs flash-attn")
+    cpu = tiny_model(seed=4)
+    gpu = tiny_model(seed=4).cuda()
+    dtype = torch.bfloat16 if attn == "flash_attention_2" else torch.float32
+    gpu = gpu.to(dtype)
+    gpu.set_attn_implementation(attn)
+    ids = torch.randint(3, 97, (2, 40))
+    with torch.no_grad():
+        ref = cpu(ids).logits
+        out = gpu(ids.cuda()).logits.float().cpu()
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    assert (out - ref).abs().max() <= tol
+    # chunked continuation from the cache (multi-token from a cached state) on the GPU
+    if dtype == torch.float32:
+        assert torch.equal(_greedy(gpu, ids[:, :10].cuda(), 20).cpu(), _greedy(cpu, ids[:, :10], 20))
