@@ -119,3 +119,27 @@ def test_left_padded_batch_continues_from_cache():
         for row, seq in enumerate(seqs):
             alone = model(torch.cat([seq, nxt[row]])[None]).logits[0, -5:]
             assert (decoded[row] - alone).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_inference_chunking_equals_one_pass(layout, monkeypatch):
+    model = tiny_model(layer_types=LAYOUTS[layout])
+    ids = torch.randint(3, 97, (2, 45))
+    with torch.no_grad():
+        model.config.inference_chunk_size = 0
+        whole = model(ids, use_cache=True)
+        model.config.inference_chunk_size = 7
+        calls = []
+        original = type(model.model)._run_layers
+        monkeypatch.setattr(type(model.model), "_run_layers", lambda self, *a: calls.append(1) or original(self, *a))
+        chunked = model(ids, use_cache=True)
+        assert len(calls) == 7  # 45 tokens in chunks of 7
+        assert (whole.logits - chunked.logits).abs().max() <= 1e-4
+        nxt = torch.randint(3, 97, (2, 1))
+        a = model(nxt, past_key_values=whole.past_key_values, use_cache=True).logits
+        b = model(nxt, past_key_values=chunked.past_key_values, use_cache=True).logits
+        assert (a - b).abs().max() <= 1e-4
+        assert model(ids, use_cache=False).past_key_values is None
+    calls.clear()
+    model(ids)  # with autograd on, never chunked (the training graph stays one piece)
+    assert len(calls) == 1

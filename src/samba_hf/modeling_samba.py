@@ -482,6 +482,26 @@ class SambaModel(SambaPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
+        chunk = self._inference_chunk(inputs_embeds, attention_mask, position_ids, past_key_values, kwargs)
+        if chunk:
+            # Long inference input: go through the cache a chunk at a time (exactly equal, tested; the activations
+            # of a chunk stay in the CPU caches and memory stays bounded by the chunk, not the prompt).
+            cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
+            hidden_states = torch.cat(
+                [
+                    self._run_layers(inputs_embeds[:, s : s + chunk], None, position_ids[:, s : s + chunk], cache, kwargs)
+                    for s in range(0, inputs_embeds.shape[1], chunk)
+                ],
+                dim=1,
+            )
+        else:
+            hidden_states = self._run_layers(inputs_embeds, attention_mask, position_ids, past_key_values, kwargs)
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
+        )
+
+    def _run_layers(self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs) -> torch.Tensor:
         # One mask per kind of layer, built once per forward. generate() may pass them ready-made as a dict.
         if not isinstance(mask_mapping := attention_mask, dict):
             mask_kwargs = {
@@ -515,10 +535,25 @@ class SambaModel(SambaPreTrainedModel):
                 position_ids=position_ids,
                 **kwargs,
             )
-        hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
-        )
+        return hidden_states
+
+    def _inference_chunk(self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs) -> int:
+        """The chunk length to split this forward into, or 0. Only inference (no autograd) over an input longer than
+        `config.inference_chunk_size`, without padding, per-layer outputs, packed sequences or a static cache."""
+        chunk = self.config.inference_chunk_size
+        if not chunk or inputs_embeds.shape[1] <= chunk or torch.is_grad_enabled():
+            return 0
+        if isinstance(attention_mask, dict) or (attention_mask is not None and not bool(attention_mask.all())):
+            return 0
+        if kwargs.get("output_attentions", self.config.output_attentions) or kwargs.get(
+            "output_hidden_states", self.config.output_hidden_states
+        ):
+            return 0
+        if past_key_values is not None and type(past_key_values) is not DynamicCache:
+            return 0
+        if not bool((position_ids.diff(dim=-1) == 1).all()):  # packed sequences restart their positions
+            return 0
+        return chunk
 
     def _blockwise_sliding(self, inputs_embeds: torch.Tensor, past_key_values: Cache | None, kwargs: dict) -> bool:
         """Whether this forward computes its sliding-window layers block by block: inputs longer than the window,
