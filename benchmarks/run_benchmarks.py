@@ -257,7 +257,7 @@ def evaluate_targets(results) -> list[str]:
             return
         met = value >= goal if higher_is_better else value <= goal
         sign = ">=" if higher_is_better else "<="
-        lines.append(f"{label}: {value:.2f} (target {sign} {goal}) {'MET' if met else 'MISSED'}")
+        lines.append(f"{label}: {value:.3f} (target {sign} {goal}) {'MET' if met else 'MISSED'}")
 
     def ratio(a, b):
         return None if a is None or b is None else a / b
