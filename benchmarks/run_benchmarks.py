@@ -57,10 +57,8 @@ def synthetic_cache(model, name: str, context: int, device: str):
     """A cache as it stands after `context` tokens: random contents, real shapes and bookkeeping."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
     config = model.config
-    if name == "mamba":
-        cache = DynamicCache(config=config)
+    cache = DynamicCache(config=config)
     generator = torch.Generator().manual_seed(0)
     for idx in range(config.num_hidden_layers):
         kind = (config.layer_types[idx] if getattr(config, "layer_types", None) else "full_attention")

@@ -85,7 +85,8 @@ def load(model_arg: str | None, device, dtype):
     path = model_arg or default_model_path()
     if os.path.isdir(path):
         check_model_folder(path)
-    elif model_arg is not None and (os.sep in model_arg and not _looks_like_hub_name(model_arg) or model_arg.startswith(".")):
+    elif model_arg is not None and not _looks_like_hub_name(model_arg) and (os.sep in model_arg or model_arg.startswith(".")):
+        # a path (not an "org/name" Hub id) that does not exist
         raise UserError(f"no such model folder: {model_arg!r}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
