@@ -14,6 +14,22 @@ from conftest import tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_mamba_ssm = pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None, reason="needs mamba-ssm")
+needs_causal_conv1d = pytest.mark.skipif(importlib.util.find_spec("causal_conv1d") is None,
+                                         reason="needs causal-conv1d")
+
+
+@needs_causal_conv1d
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv_kernels_match_the_module(dtype):
+    conv = torch.nn.Conv1d(64, 64, kernel_size=4, groups=64, padding=3).cuda().to(dtype)
+    window = torch.randn(2, 64, 37, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        ref = conv(window)[..., :37]
+        for seq_len in (37, 5, 1):  # prompt, continuation after a cached window, one-token step
+            out = ssm_samba.causal_conv(conv, window, seq_len)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            assert out.shape == (2, 64, seq_len)
+            assert (out.float() - ref[..., -seq_len:].float()).abs().max() <= tol
 
 
 @needs_mamba_ssm

@@ -37,7 +37,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_samba import SambaConfig
-from .ssm_samba import selective_scan
+from .ssm_samba import causal_conv, selective_scan
 
 logger = logging.get_logger(__name__)
 
@@ -322,8 +322,7 @@ class SambaMambaMixer(nn.Module):
         x = x.transpose(1, 2)  # (batch, d_inner, seq)
         if past_key_values is not None:
             x = past_key_values.update_conv_state(x, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-        x = self.conv1d(x)[..., : x.shape[-1]][..., -seq_len:]
-        x = self.act(x).transpose(1, 2)  # (batch, seq, d_inner)
+        x = self.act(causal_conv(self.conv1d, x, seq_len)).transpose(1, 2)  # (batch, seq, d_inner)
         if mask is not None:
             x = x * mask
 

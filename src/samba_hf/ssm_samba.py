@@ -1,4 +1,4 @@
-"""The selective scan of the Mamba mixer.
+"""The selective scan and the causal conv of the Mamba mixer, with their optional CUDA kernels.
 
     h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t * u_t        (per channel d, state n)
     y_t = <h_t, C_t> + D * u_t,  then gated: y_t * silu(z_t)
@@ -10,11 +10,18 @@ state (which `selective_scan_fn` cannot take), the PyTorch scan below. The first
 logged once.
 
 Everything is computed in float32 whatever the input dtype; `y` comes back in the dtype of `u`, the final state
-in float32. Part of the remote code of a saved model: imports only torch and transformers.
+in float32.
+
+`causal_conv` runs the mixer's depthwise conv over [cached window, new inputs]. On CUDA, with causal-conv1d
+installed and the conv a plain `nn.Conv1d` (not wrapped by an adapter), it uses `causal_conv1d_update` for a
+one-token step and `causal_conv1d_fn` otherwise; everywhere else it calls the module itself, so adapters apply.
+
+Part of the remote code of a saved model: imports only torch and transformers.
 """
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -24,6 +31,7 @@ logger = logging.get_logger(__name__)
 _BLOCK = 64
 
 _KERNELS = None
+_CONV_KERNELS = None
 
 
 def _mamba_kernels():
@@ -38,6 +46,19 @@ def _mamba_kernels():
         except Exception:  # not installed, or built for another CUDA/torch
             _KERNELS = (None, None)
     return _KERNELS
+
+
+def _conv_kernels():
+    """(causal_conv1d_fn, causal_conv1d_update) from causal-conv1d, or (None, None) when it is not installed."""
+    global _CONV_KERNELS
+    if _CONV_KERNELS is None:
+        try:
+            from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+
+            _CONV_KERNELS = (causal_conv1d_fn, causal_conv1d_update)
+        except Exception:
+            _CONV_KERNELS = (None, None)
+    return _CONV_KERNELS
 
 
 def _kernel_device(tensor: torch.Tensor) -> bool:
@@ -138,3 +159,18 @@ def _step_with_kernel(state_update_fn, u, dt, A, B, C, D, z, h0):
         dt_softplus=False,
     )
     return y[:, None].to(u.dtype), state
+
+
+def causal_conv(conv1d: nn.Conv1d, window: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The depthwise causal conv's outputs at the last `seq_len` positions of `window` (batch, d_inner, T), which
+    holds the cached left context (if any) followed by the new inputs. Returns (batch, d_inner, seq_len)."""
+    if _kernel_device(window) and type(conv1d) is nn.Conv1d:  # an adapter-wrapped conv must run as a module
+        conv_fn, update_fn = _conv_kernels()
+        weight = conv1d.weight[:, 0, :]  # (d_inner, kernel_size)
+        if seq_len == 1 and window.shape[-1] >= conv1d.kernel_size[0] and update_fn is not None:
+            state = window[..., :-1].contiguous()  # the previous inputs; the kernel shifts it in place (a copy)
+            return update_fn(window[..., -1], state, weight, conv1d.bias, activation=None)[..., None]
+        if conv_fn is not None:
+            return conv_fn(window.contiguous(), weight, conv1d.bias, activation=None)[..., -seq_len:]
+        logger.warning_once("samba-hf: causal-conv1d is not installed; the Mamba conv runs as a PyTorch Conv1d")
+    return conv1d(window)[..., : window.shape[-1]][..., -seq_len:]
