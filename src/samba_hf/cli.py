@@ -3,10 +3,14 @@
     samba-hf generate "prompt" [--model PATH_OR_NAME] [--max-new-tokens N] [--do-sample] [--temperature T]
                                [--top-k K] [--top-p P] [--seed S] [--dtype auto|float32|bfloat16|float16]
                                [--device auto|cpu|cuda|cuda:N|mps] [--prefill-chunk-size N]
+    samba-hf convert {lit-gpt,fla,mamba,mistral,llama} SRC OUT [--config NAME_OR_JSON] [--tokenizer PATH]
+                     [--dtype float32|bfloat16|float16] [--max-shard-size 5GB] [--verify | --no-verify]
+                     [--push-to-hub REPO] [--force]
+    samba-hf export lit-gpt SRC OUT [--force]
 
 Without --model it runs the embedded default that ships inside the package. Mistakes a user can make (a missing
-folder, a folder that is not a Samba model, a prompt the model cannot take, a device that is not there) end with
-one line on stderr and exit status 1, never a traceback.
+folder, a folder that is not a Samba model, a prompt the model cannot take, a device that is not there, a checkpoint
+that does not match its config) end with a message on stderr and exit status 1, never a traceback.
 """
 
 import argparse
@@ -160,6 +164,38 @@ def generate(args) -> int:
     return 0
 
 
+def convert(args) -> int:
+    from .conversion import ConversionError, command_line
+    from .conversion import convert as run_conversion
+
+    try:
+        result = run_conversion(
+            args.source, args.src, args.out, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,
+            max_shard_size=args.max_shard_size, verify_parity=args.verify, push_to_hub=args.push_to_hub,
+            force=args.force, command=command_line(),
+        )
+    except ConversionError as error:
+        raise UserError(str(error))
+    print(f"samba-hf: wrote {result['out']}", file=sys.stderr)
+    print(f"samba-hf: parity: {result['parity'] or 'not verified (pass --verify)'}", file=sys.stderr)
+    if args.push_to_hub:
+        print(f"samba-hf: pushed to https://huggingface.co/{args.push_to_hub}", file=sys.stderr)
+    return 0
+
+
+def export(args) -> int:
+    from .conversion import ConversionError, export_lit_gpt
+
+    try:
+        result = export_lit_gpt(args.src, args.out, force=args.force)
+    except ConversionError as error:
+        raise UserError(str(error))
+    name = result["official_name"]
+    hint = f"--model_name {name}" if name else "a lit_gpt Config with the sizes in the source config.json"
+    print(f"samba-hf: wrote {result['out']} (official layout; load it in microsoft/Samba with {hint})", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="samba-hf", description="Samba language models on transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +214,32 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-chunk-size", type=int, default=8192,
                      help="prompts longer than this are read in chunks of this many tokens (bounded memory)")
     gen.set_defaults(run=generate)
+
+    conv = commands.add_parser("convert", help="turn a checkpoint of another implementation into a samba-hf folder")
+    conv.add_argument("source", choices=["lit-gpt", "fla", "mamba", "mistral", "llama"],
+                      help="lit-gpt: the official microsoft/Samba code; fla: flash-linear-attention; mamba/mistral/"
+                           "llama: transformers' folders")
+    conv.add_argument("src", help="the checkpoint: a .pth file (lit-gpt) or a model folder")
+    conv.add_argument("out", help="the folder to write (must not exist or be empty, unless --force)")
+    conv.add_argument("--config", default=None,
+                      help="lit-gpt: the official config name used for training (e.g. Samba_421M) or a SambaConfig "
+                           "JSON; other sources: optional, read from the source's config.json")
+    conv.add_argument("--tokenizer", default=None, help="a SentencePiece tokenizer.model or a tokenizer folder")
+    conv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                      help="dtype of the written weights (default: the source's); Mamba A_log and D stay float32")
+    conv.add_argument("--max-shard-size", default="5GB")
+    conv.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                      help="compare logits with a reference forward of the source (default: on up to 1B parameters)")
+    conv.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload the folder to this Hub repo")
+    conv.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    conv.set_defaults(run=convert)
+
+    exp = commands.add_parser("export", help="write a samba-hf folder back in another implementation's format")
+    exp.add_argument("target", choices=["lit-gpt"], help="lit-gpt: the official microsoft/Samba state dict")
+    exp.add_argument("src", help="a samba-hf model folder")
+    exp.add_argument("out", help="the .pth file to write ({'model': state_dict}, as the official eval.py loads)")
+    exp.add_argument("--force", action="store_true", help="replace an existing OUT")
+    exp.set_defaults(run=export)
     return parser
 
 

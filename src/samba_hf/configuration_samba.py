@@ -70,6 +70,8 @@ class SambaConfig(PreTrainedConfig):
         tie_word_embeddings (`bool`, defaults to `True`): share `lm_head` with `embed_tokens` (as the official code).
         rope_parameters (`dict`, *optional*): RoPE settings in transformers' format, default
             `{"rope_type": "default", "rope_theta": 10000.0}`.
+        use_rope (`bool`, defaults to `True`): rotate queries and keys with RoPE; `False` is the official `_nope`
+            ablation (attention without positional encoding).
         sliding_window (`int`, defaults to 2048): the query plus `sliding_window - 1` earlier positions are visible
             to a `"sliding_attention"` layer (flash-attn's `window_size=(2047, 0)` in the official code).
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities while training.
@@ -133,6 +135,7 @@ class SambaConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 2
     tie_word_embeddings: bool = True
     rope_parameters: RopeParameters | dict | None = None
+    use_rope: bool = True
     sliding_window: int | None = 2048
     attention_dropout: float | int = 0.0
     attention_bias: bool = False
@@ -205,7 +208,7 @@ class SambaConfig(PreTrainedConfig):
                     f"`num_attention_heads` ({self.num_attention_heads}) must be a multiple of "
                     f"`num_key_value_heads` ({self.num_key_value_heads}); pick a divisor for `num_key_value_heads`."
                 )
-            if self.head_dim < 2 or self.head_dim % 2 != 0:
+            if self.use_rope and (self.head_dim < 2 or self.head_dim % 2 != 0):
                 fail(f"`head_dim` must be even for RoPE, got {self.head_dim}.")
         if "sliding_attention" in self.layer_types:
             if not isinstance(self.sliding_window, int) or self.sliding_window < 1:

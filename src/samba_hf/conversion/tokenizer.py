@@ -1,0 +1,41 @@
+"""The tokenizer that goes with a converted model: a SentencePiece `tokenizer.model` or an HF tokenizer folder."""
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
+
+from .checkpoint import ConversionError
+
+
+def load_tokenizer(path: str | Path, add_bos: bool | None) -> PreTrainedTokenizerBase:
+    """`add_bos=False` forces a tokenizer that adds no BOS (the official Samba checkpoints were trained without
+    one); None keeps the tokenizer's own setting."""
+    path = Path(path)
+    options = {} if add_bos is None else {"add_bos_token": add_bos}
+    try:
+        if path.is_file() and path.suffix == ".model":  # SentencePiece (the Llama-2 tokenizer of the official runs)
+            with tempfile.TemporaryDirectory() as folder:
+                shutil.copy(path, Path(folder) / "tokenizer.model")
+                return LlamaTokenizer.from_pretrained(folder, add_eos_token=False, **options)
+        if path.is_dir():
+            return AutoTokenizer.from_pretrained(path, **options)
+    except Exception as error:
+        raise ConversionError(
+            f"cannot load the tokenizer {path} ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+            "A SentencePiece file needs `pip install sentencepiece protobuf` (or `pip install samba-hf[convert]`)."
+        ) from None
+    raise ConversionError(f"--tokenizer {path}: give a SentencePiece tokenizer.model file or a tokenizer folder.")
+
+
+def save_tokenizer(path: str | Path, folder: Path, vocab_size: int, add_bos: bool | None):
+    tokenizer = load_tokenizer(path, add_bos)
+    if len(tokenizer) > vocab_size:
+        raise ConversionError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab_size}: wrong tokenizer?"
+        )
+    ids = tokenizer("Samba").input_ids
+    if add_bos is False and tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id:
+        raise ConversionError(f"the tokenizer {path} still adds a BOS token; the model was trained without one.")
+    tokenizer.save_pretrained(folder)
