@@ -96,8 +96,13 @@ def test_untied_round_trip(tmp_path):
 
 
 def test_trust_remote_code_without_the_package(saved):
-    """A fresh interpreter in which `import samba_hf` fails loads the folder through its own code."""
     folder, *_ = saved
+    assert_loads_without_the_package(folder)
+
+
+def assert_loads_without_the_package(folder):
+    """A fresh interpreter in which `import samba_hf` fails loads the folder through its own code and reproduces
+    the logits saved in `folder/expected.pt` ({"ids", "logits"}) exactly."""
     script = textwrap.dedent(f"""
         import builtins, sys, torch
         real_import = builtins.__import__

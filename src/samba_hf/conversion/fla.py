@@ -26,13 +26,13 @@ def mlp_size(hidden_size: int, hidden_ratio: float | None) -> int:
 
 
 def config_from_fla(fla: dict) -> SambaConfig:
+    if "layer_types" in fla or "mamba_d_state" in fla:
+        raise ConversionError("config.json is already a samba-hf config: load the folder directly, no conversion.")
     if fla.get("model_type") != "samba" or "attn" not in fla and "state_size" not in fla:
         raise ConversionError(
             f"config.json has model_type {fla.get('model_type')!r} and no FLA Samba fields (`attn`, `state_size`): "
             "not a flash-linear-attention Samba checkpoint (wrong source format?)."
         )
-    if "layer_types" in fla or "mamba_d_state" in fla:
-        raise ConversionError("config.json is already a samba-hf config: load the folder directly, no conversion.")
     hidden, layers = fla.get("hidden_size", 2304), fla.get("num_hidden_layers", 18)
     attn = fla.get("attn") or DEFAULT_ATTN
     if attn.get("qkv_bias"):

@@ -108,6 +108,14 @@ def official_shapes(config: SambaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def describe(checkpoint: Checkpoint) -> str:
+    """What the checkpoint's own shapes say, to set beside the config it did not match."""
+    blocks = {name.split(".")[2] for name in checkpoint.keys() if name.startswith("transformer.h.")}
+    embedding = next((checkpoint.shape(n) for n in ("transformer.wte.weight", "lm_head.weight") if n in checkpoint), None)
+    facts = f"The checkpoint has {len(blocks)} blocks" + (f" and embeddings of shape {list(embedding)}" if embedding else "")
+    return f"{facts}; official config names: {', '.join(OFFICIAL_CONFIGS)}."
+
+
 def split_qkv(fused: torch.Tensor, config: SambaConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Official fused rows [q heads of group g, k_g, v_g] for each g -> separate q, k, v projection weights."""
     groups, hs = config.num_key_value_heads, config.head_dim
@@ -138,8 +146,7 @@ def plan(checkpoint: Checkpoint, config: SambaConfig):
     """Check the checkpoint against `config`, then return (config, {samba-hf name: producer})."""
     check_layout(
         checkpoint, official_shapes(config), "official lit-gpt (microsoft/Samba)",
-        optional={"lm_head.weight", "transformer.wte.weight"},
-        hint="Official config names: " + ", ".join(OFFICIAL_CONFIGS) + ".",
+        optional={"lm_head.weight", "transformer.wte.weight"}, hint=describe(checkpoint),
     )
     if "lm_head.weight" not in checkpoint and "transformer.wte.weight" not in checkpoint:
         raise ConversionError(f"{checkpoint.path} has neither transformer.wte.weight nor lm_head.weight.")

@@ -74,7 +74,8 @@ def lit_gpt_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch.
     eps, hs = config.rms_norm_eps, config.head_dim
     groups = config.num_key_value_heads
     q_per_kv = config.num_attention_heads // groups
-    x = F.embedding(ids, get("transformer.wte.weight"))
+    embedding = "transformer.wte.weight" if "transformer.wte.weight" in state_dict else "lm_head.weight"  # tied
+    x = F.embedding(ids, get(embedding))
     for i, kind in enumerate(config.layer_types):
         block = f"transformer.h.{i}"
         h = _rms_norm(x, get(f"{block}.norm_1.weight"), eps)
