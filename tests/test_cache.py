@@ -131,7 +131,7 @@ def test_inference_chunking_equals_one_pass(layout, monkeypatch):
         model.config.inference_chunk_size = 7
         calls = []
         original = type(model.model)._run_layers
-        monkeypatch.setattr(type(model.model), "_run_layers", lambda self, *a: calls.append(1) or original(self, *a))
+        monkeypatch.setattr(type(model.model), "_run_layers", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
         chunked = model(ids, use_cache=True)
         assert len(calls) == 7  # 45 tokens in chunks of 7
         assert (whole.logits - chunked.logits).abs().max() <= 1e-4

@@ -172,7 +172,7 @@ def convert(args) -> int:
         result = run_conversion(
             args.source, args.src, args.out, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,
             max_shard_size=args.max_shard_size, verify_parity=args.verify, push_to_hub=args.push_to_hub,
-            force=args.force, command=command_line(),
+            force=args.force, command=command_line(args.argv),
         )
     except ConversionError as error:
         raise UserError(str(error))
@@ -245,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return args.run(args)
     except UserError as error:

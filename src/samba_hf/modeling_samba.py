@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
     create_causal_mask,
+    find_packed_sequence_indices,
     create_recurrent_attention_mask,
     create_sliding_window_causal_mask,
 )
@@ -268,6 +269,32 @@ class SambaAttention(nn.Module):
         )
 
 
+class PackedDocuments:
+    """Where the documents of a packed batch lie (position_ids restarting at each document, as
+    `DataCollatorWithFlattening` makes them): `unpack` lays them out one per row, right-padded, so a Mamba mixer
+    runs each from a zero state and nothing crosses a boundary; `pack` puts the rows back in place."""
+
+    def __init__(self, document_ids: torch.Tensor):
+        # document_ids (batch, seq): index of each token's document within its row, 0, 0, 1, 1, 1, 2, ...
+        self.shape = document_ids.shape
+        row_offsets = (document_ids[:, -1] + 1).cumsum(0) - (document_ids[:, -1] + 1)
+        flat = (document_ids + row_offsets[:, None]).reshape(-1)  # documents numbered through the whole batch
+        lengths = torch.bincount(flat)
+        starts = lengths.cumsum(0) - lengths
+        offsets = torch.arange(flat.numel(), device=flat.device) - starts[flat]
+        self.index = torch.zeros(lengths.numel(), int(lengths.max()), dtype=torch.long, device=flat.device)
+        self.valid = torch.zeros_like(self.index, dtype=torch.bool)
+        self.index[flat, offsets] = torch.arange(flat.numel(), device=flat.device)  # (documents, longest)
+        self.valid[flat, offsets] = True
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1])[self.index]  # (batch, seq, d) -> (documents, longest, d)
+
+    def pack(self, rows: torch.Tensor) -> torch.Tensor:
+        # the valid positions, read row by row, are the tokens in their original order
+        return rows[self.valid].reshape(*self.shape, rows.shape[-1])
+
+
 class SambaMambaMixer(nn.Module):
     """The Mamba (selective SSM) mixer, as in mamba-ssm's `Mamba` and the official Samba code.
 
@@ -309,8 +336,11 @@ class SambaMambaMixer(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
+        documents: PackedDocuments | None = None,
     ) -> torch.Tensor:
         # hidden_states (batch, seq, hidden); attention_mask (batch, seq): 1 for tokens, 0 for padding, or None
+        if documents is not None:  # packed sequences: the conv and the scan restart at each document
+            return documents.pack(self(documents.unpack(hidden_states), attention_mask=documents.valid))
         seq_len = hidden_states.shape[1]
         mask = attention_mask[:, :, None].to(hidden_states.dtype) if attention_mask is not None else None
         # Read the SSM state before the conv update below marks the layer as having a previous state.
@@ -376,12 +406,15 @@ class SambaDecoderLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None = None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
+        documents: PackedDocuments | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         if self.layer_type == "linear_attention":
-            hidden_states = self.mamba(hidden_states, attention_mask=attention_mask, past_key_values=past_key_values)
+            hidden_states = self.mamba(
+                hidden_states, attention_mask=attention_mask, past_key_values=past_key_values, documents=documents
+            )
         else:
             hidden_states, _ = self.self_attn(
                 hidden_states,
@@ -475,6 +508,9 @@ class SambaModel(SambaPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        documents = self._packed_documents(position_ids, attention_mask, past_key_values)
+        if documents is not None:  # a packed (training) batch: nothing to continue from it, so no cache; the mask
+            use_cache, past_key_values, attention_mask = False, None, None  # builders find the documents themselves
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if position_ids is None:
@@ -495,13 +531,17 @@ class SambaModel(SambaPreTrainedModel):
                 dim=1,
             )
         else:
-            hidden_states = self._run_layers(inputs_embeds, attention_mask, position_ids, past_key_values, kwargs)
+            hidden_states = self._run_layers(
+                inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=documents
+            )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
         )
 
-    def _run_layers(self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs) -> torch.Tensor:
+    def _run_layers(
+        self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=None
+    ) -> torch.Tensor:
         # One mask per kind of layer, built once per forward. generate() may pass them ready-made as a dict.
         if not isinstance(mask_mapping := attention_mask, dict):
             mask_kwargs = {
@@ -515,7 +555,11 @@ class SambaModel(SambaPreTrainedModel):
             mask_mapping = {
                 kind: MASK_BUILDERS[kind](**mask_kwargs, layer_idx=self.config.layer_types.index(kind))
                 for kind in set(self.config.layer_types)
-                if not (kind == "sliding_attention" and self._blockwise_sliding(inputs_embeds, past_key_values, kwargs))
+                if not (
+                    kind == "sliding_attention"
+                    and documents is None  # the block-wise path knows no document boundaries
+                    and self._blockwise_sliding(inputs_embeds, past_key_values, kwargs)
+                )
             }
             if "sliding_attention" not in mask_mapping and "sliding_attention" in self.config.layer_types:
                 # Long input: sliding layers go block by block from the 2D padding mask (no L x L mask is built).
@@ -533,9 +577,26 @@ class SambaModel(SambaPreTrainedModel):
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
                 position_ids=position_ids,
+                documents=documents,
                 **kwargs,
             )
         return hidden_states
+
+    def _packed_documents(self, position_ids, attention_mask, past_key_values) -> PackedDocuments | None:
+        """Documents packed into one row (position_ids restart within a row, no padding), or None."""
+        if position_ids is None or position_ids.shape[1] < 2 or isinstance(attention_mask, dict):
+            return None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            return None  # padding: position_ids repeat over padded positions, that is not packing (as transformers)
+        document_ids = find_packed_sequence_indices(position_ids)
+        if document_ids is None:
+            return None
+        if self._cache_has_content(past_key_values):
+            raise ValueError(
+                "Packed sequences (position_ids restarting inside a row) cannot continue from a cache: run packed "
+                "batches without past_key_values, or pass one document per row."
+            )
+        return PackedDocuments(document_ids)
 
     def _inference_chunk(self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs) -> int:
         """The chunk length to split this forward into, or 0. Only inference (no autograd) over an input longer than
@@ -565,6 +626,13 @@ class SambaModel(SambaPreTrainedModel):
             and not kwargs.get("output_attentions", self.config.output_attentions)
             and (past_key_values is None or type(past_key_values) is DynamicCache)
         )
+
+    def _cache_has_content(self, past_key_values: Cache | None) -> bool:
+        if past_key_values is None:
+            return False
+        if self._has_attention_cache(past_key_values):
+            return past_key_values.get_seq_length() > 0
+        return past_key_values.has_previous_state()
 
     def _has_attention_cache(self, past_key_values: Cache | None) -> bool:
         # A cache of Mamba layers only tracks no sequence length (and asking it raises).

@@ -154,8 +154,9 @@ def export_lit_gpt(src: str | os.PathLike, out: str | os.PathLike, force: bool =
     return {"out": out, "official_name": lit_gpt.official_name_of(model.config)}
 
 
-def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in ["samba-hf", *sys.argv[1:]])
+def command_line(argv: list[str] | None = None) -> str:
+    """The samba-hf command as typed: `argv` as given to `samba_hf.cli.main` (sys.argv[1:] when None)."""
+    return shlex.join(["samba-hf", *(sys.argv[1:] if argv is None else argv)])
 
 
 __all__ = ["SOURCES", "ConversionError", "convert", "export_lit_gpt", "resolve_config"]

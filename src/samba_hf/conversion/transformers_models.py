@@ -45,8 +45,10 @@ def _attention_config(hf: dict, layer_type: str, sliding_window) -> SambaConfig:
     if hf.get("mlp_bias"):
         raise ConversionError("mlp_bias=True has no samba-hf equivalent (its MLP has no biases).")
     heads = hf["num_attention_heads"]
-    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0),
-                                         **(hf.get("rope_scaling") or {})}
+    scaling = dict(hf.get("rope_scaling") or {})
+    if "type" in scaling:  # configs written before transformers 4.45 name the rope type "type"
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0), **scaling}
     return SambaConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
         num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
