@@ -106,9 +106,11 @@ def selective_scan_pytorch(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[tor
         decay = torch.exp(dt_blk[..., None] * A)  # (b, t, d, n)
         inject = (dt_blk * u_blk)[..., None] * B[:, start : start + _BLOCK, None, :].float()  # (b, t, d, n)
         if torch.is_grad_enabled() and (inject.requires_grad or h.requires_grad):
-            states = []  # autograd cannot record out= writes
-            for t in range(u_blk.shape[1]):
-                h = torch.addcmul(inject[:, t], decay[:, t], h)
+            # autograd cannot record out= writes. unbind, not inject[:, t]: the backward of each index would
+            # allocate and zero a whole block (quadratic in the block length); unbind's backward is one stack.
+            states = []
+            for inject_t, decay_t in zip(inject.unbind(1), decay.unbind(1)):
+                h = torch.addcmul(inject_t, decay_t, h)
                 states.append(h)
             states = torch.stack(states, dim=1)
         else:

@@ -1,0 +1,155 @@
+"""Train the small Samba that ships as the embedded default, from scratch, on CPU, with `transformers.Trainer`.
+
+    python examples/train_tiny.py                       # ~25 min on 2 CPU cores; writes src/samba_hf/default_model
+    python examples/train_tiny.py --max-steps 20 --out /tmp/try   # a quick look
+
+Data: English text every Python installation carries: the documentation topics of `pydoc_data` plus the docstrings
+of a fixed list of standard-library modules. Documents are shuffled with a fixed seed; 5% are held out for the
+perplexity reported at the end. Tokenizer: a byte-level BPE trained here with `tokenizers` (no BOS; an EOS between
+documents, as the official Samba runs). Model: a few million parameters, Mamba + sliding-window attention layers.
+"""
+
+import argparse
+import inspect
+import importlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from pydoc_data.topics import topics
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments
+
+from samba_hf import SambaConfig, SambaForCausalLM
+
+DOCSTRING_MODULES = [
+    "abc", "argparse", "array", "ast", "asyncio", "base64", "bisect", "bz2", "calendar", "cmd", "codecs",
+    "collections", "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal",
+    "difflib", "dis", "doctest", "email", "enum", "filecmp", "fnmatch", "fractions", "ftplib", "functools", "getopt",
+    "gettext", "glob", "gzip", "hashlib", "heapq", "hmac", "html", "http.client", "http.server", "imaplib",
+    "inspect", "io", "ipaddress", "itertools", "json", "locale", "logging", "lzma", "mailbox", "math", "mimetypes",
+    "multiprocessing", "numbers", "operator", "optparse", "os", "pathlib", "pdb", "pickle", "pkgutil", "platform",
+    "plistlib", "poplib", "pprint", "profile", "queue", "random", "re", "sched", "secrets", "selectors", "shelve",
+    "shlex", "shutil", "signal", "smtplib", "socket", "socketserver", "sqlite3", "ssl", "statistics", "string",
+    "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "trace",
+    "traceback", "typing", "unittest", "urllib.parse", "urllib.request", "uuid", "warnings", "wave", "weakref",
+    "xml.dom.minidom", "xml.etree.ElementTree", "zipfile", "zlib",
+]
+SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0-3, as the config's bos 1 / eos 2 / pad 3
+
+
+def documents() -> list[str]:
+    """The corpus, one string per document (a pydoc topic, or one docstring of at least 200 characters)."""
+    docs = [text.strip() for _, text in sorted(topics.items())]
+    for name in DOCSTRING_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        objects = [module] + [getattr(module, a) for a in sorted(dir(module)) if not a.startswith("_")]
+        for obj in objects:
+            doc = inspect.getdoc(obj) if (inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj)) else None
+            if doc and len(doc) >= 200 and (obj is module or getattr(obj, "__module__", None) == module.__name__):
+                docs.append(doc.strip())
+    docs = sorted(set(docs))
+    random.Random(0).shuffle(docs)
+    return docs
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>", model_max_length=1_000_000)
+
+
+class Blocks(torch.utils.data.Dataset):
+    """The token stream (documents joined by EOS) cut into blocks of `length` tokens."""
+
+    def __init__(self, ids: list[int], length: int):
+        self.ids = torch.tensor(ids[: len(ids) // length * length]).view(-1, length)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def stream(tokenizer, docs) -> list[int]:
+    ids = []
+    for ids_of_doc in tokenizer(docs, add_special_tokens=False).input_ids:
+        ids += ids_of_doc + [tokenizer.eos_token_id]
+    return ids
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "src/samba_hf/default_model"))
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-steps", type=int, default=400)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    docs = documents()
+    held_out = max(1, len(docs) // 20)
+    train_docs, eval_docs = docs[held_out:], docs[:held_out]
+    tokenizer = train_tokenizer(train_docs, args.vocab_size)
+    train_ids, eval_ids = stream(tokenizer, train_docs), stream(tokenizer, eval_docs)
+    print(f"{len(docs)} documents, {sum(map(len, docs)) / 1e6:.2f} M characters; {len(train_ids):,} training "
+          f"tokens, {len(eval_ids):,} held-out tokens; vocabulary {len(tokenizer)}")
+
+    config = SambaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=640, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=256,
+        max_position_embeddings=args.block, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+    )
+    model = SambaForCausalLM(config)
+    print(f"model: {model.num_parameters():,} parameters, layers {config.layer_types}")
+
+    training = TrainingArguments(
+        output_dir=str(Path(args.out).with_name(Path(args.out).name + "-checkpoints")),
+        max_steps=args.max_steps, per_device_train_batch_size=args.batch_size, learning_rate=args.lr,
+        lr_scheduler_type="cosine", warmup_steps=max(1, args.max_steps // 10), weight_decay=0.1,
+        adam_beta2=0.95, max_grad_norm=1.0, logging_steps=50, save_strategy="no", report_to=[], seed=0,
+        dataloader_drop_last=True, use_cpu=True,
+    )
+    trainer = Trainer(model=model, args=training, train_dataset=Blocks(train_ids, args.block))
+    start = time.perf_counter()
+    trainer.train()
+    minutes = (time.perf_counter() - start) / 60
+
+    model.eval()
+    held = Blocks(eval_ids, args.block)
+    with torch.no_grad():
+        losses = [model(**{k: v[None] for k, v in held[i].items()}).loss.item() for i in range(len(held))]
+    perplexity = math.exp(sum(losses) / len(losses))
+    prompt = "The assert statement"
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    sample = tokenizer.decode(model.generate(ids, max_new_tokens=40, do_sample=False)[0])
+    print(f"trained in {minutes:.1f} min; held-out perplexity {perplexity:.2f} on {len(held) * args.block:,} tokens")
+    print(f"greedy sample: {sample!r}")
+
+    model.generation_config.max_length = None
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    report = {"train_minutes": round(minutes, 1), "held_out_perplexity": round(perplexity, 2),
+              "held_out_tokens": len(held) * args.block, "training_tokens": len(train_ids),
+              "steps": args.max_steps, "parameters": model.num_parameters(), "sample_prompt": prompt,
+              "greedy_sample": sample, "command": "python examples/train_tiny.py"}
+    Path(args.out, "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
