@@ -666,7 +666,8 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         r"""
         labels (`torch.LongTensor` of shape `(batch, seq)`, *optional*): targets for the next-token loss, shifted
-            inside; -100 marks positions to ignore.
+            inside; -100 marks positions to ignore. With a 2D `attention_mask`, the label of a token that follows a
+            padded position is ignored too (left padding gives the loss of the unpadded rows).
         logits_to_keep (`int` or `torch.Tensor`, defaults to 0): compute logits only for the last that many positions
             (0: all), or for the given 1D indices of the sequence dimension.
 
@@ -694,6 +695,11 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 and not bool(attention_mask.all()):
+                # A token right after padding (the first of a left-padded row) has nothing to be predicted from, as
+                # in an unpadded run: ignore its label, so padding on either side gives the unpadded loss.
+                after_padding = nn.functional.pad(attention_mask[:, :-1] == 0, (1, 0), value=False)
+                labels = labels.masked_fill(after_padding.to(labels.device), -100)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
         return CausalLMOutputWithPast(
