@@ -20,7 +20,7 @@ def run_cli(*args):
 def test_generate_on_the_embedded_default_streams_greedy_tokens():
     result = run_cli("generate", "Samba is", "--max-new-tokens", "12")
     assert result.returncode == 0, result.stderr
-    assert "embedded default model" in result.stderr and "random weights" in result.stderr
+    assert "embedded default model" in result.stderr and "trained" in result.stderr
     assert "12 new tokens" in result.stderr
     path = default_model_path()
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
@@ -71,14 +71,20 @@ def test_empty_prompt(capsys):
 
 
 def test_prompt_too_long_for_full_attention_layers(capsys, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     model = tiny_model(layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=32,
-                       vocab_size=259, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+                       vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=3)
     model.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(tmp_path)
-    one_line_error(capsys, ["generate", "x" * 40, "--model", str(tmp_path)], "at most 32 positions")
-    assert main(["generate", "x" * 10, "--model", str(tmp_path), "--max-new-tokens", "4"]) == 0
+    tokenizer.save_pretrained(tmp_path)
+    long_prompt = " ".join(["statement"] * 40)
+    assert len(tokenizer(long_prompt).input_ids) > 32
+    one_line_error(capsys, ["generate", long_prompt, "--model", str(tmp_path)], "at most 32 positions")
+    assert main(["generate", "The statement", "--model", str(tmp_path), "--max-new-tokens", "4"]) == 0
 
 
 def test_long_prompt_goes_through_chunked_prefill(capsys):
-    assert main(["generate", "abcdefgh" * 40, "--max-new-tokens", "4", "--prefill-chunk-size", "64"]) == 0
-    assert "320-token prompt" in capsys.readouterr().err
+    prompt = " ".join(["The assert statement"] * 40)
+    length = len(AutoTokenizer.from_pretrained(default_model_path())(prompt, add_special_tokens=False).input_ids)
+    assert length > 64
+    assert main(["generate", prompt, "--max-new-tokens", "4", "--prefill-chunk-size", "64"]) == 0
+    assert f"{length}-token prompt" in capsys.readouterr().err

@@ -21,8 +21,8 @@ import time
 from importlib import resources
 
 DEFAULT_MODEL_NOTE = (
-    "embedded default model: the 'tiny' preset with seeded random weights (untrained, so the text is noise; "
-    "pass --model for a real checkpoint)"
+    "embedded default model: a 5.9M-parameter Samba trained for 18 minutes on a CPU on Python's documentation "
+    "(examples/train_tiny.py): it writes documentation-flavoured English; pass --model for a real checkpoint"
 )
 
 
