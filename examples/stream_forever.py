@@ -4,7 +4,7 @@
 
 Every `--every` tokens it prints: tokens so far, tokens/s over the last interval, the bytes held by the hybrid
 cache (Mamba conv+SSM states and the rolling sliding-window KV buffer) and the process's resident memory.
-Default model: the embedded default that ships with samba-hf (tiny preset, random weights).
+Default model: the embedded default that ships with samba-hf (5.9M parameters, trained by examples/train_tiny.py).
 """
 
 import argparse
