@@ -126,3 +126,16 @@ def test_trl_sft_trainer_with_a_lora_config(tmp_path):
     for name, param in trainer.model.get_base_model().named_parameters():
         if "lora_" not in name and name.replace("base_layer.", "") in before:
             assert torch.equal(param, before[name.replace("base_layer.", "")]), name  # the base stays frozen
+
+
+def test_torch_compile_trains_the_same(tmp_path):
+    """Trainer's torch_compile (aot_eager here: the same graphs, no C++ toolchain needed) gives the eager losses."""
+    data, collator = examples(8, seed=6), DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+    losses = []
+    for compiled in (False, True):
+        options = dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}
+        trainer = Trainer(model=tiny_model(seed=7), args=arguments(tmp_path, max_steps=2, **options),
+                          train_dataset=data, data_collator=collator)
+        trainer.train()
+        losses.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    assert len(losses[1]) == 2 and max(abs(a - b) for a, b in zip(*losses)) <= 1e-4
