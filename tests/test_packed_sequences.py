@@ -67,6 +67,18 @@ def test_packed_logits_equal_separate_documents_with_padding_free_rows():
     assert (without_boundaries - alone).abs().max() > 1e-2  # the boundaries matter in this test
 
 
+def test_two_rows_sharing_one_row_of_position_ids():
+    model = tiny_model(seed=7)
+    docs_a, docs_b = documents(seed=4), documents(seed=5)  # same lengths, so one position_ids row fits both
+    ids = torch.stack([torch.cat(docs_a), torch.cat(docs_b)])
+    position_ids = torch.cat([torch.arange(len(d)) for d in docs_a])[None]  # (1, seq), not expanded
+    with torch.no_grad():
+        packed = model(ids, position_ids=position_ids).logits
+        for row, docs in enumerate((docs_a, docs_b)):
+            alone = torch.cat([model(d[None]).logits[0] for d in docs])
+            assert (packed[row] - alone).abs().max() <= 1e-5
+
+
 def test_packed_batch_returns_no_cache_and_cannot_continue_one():
     model = tiny_model(seed=5)
     docs = documents(seed=2)

@@ -508,7 +508,7 @@ class SambaModel(SambaPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        documents = self._packed_documents(position_ids, attention_mask, past_key_values)
+        documents = self._packed_documents(position_ids, attention_mask, past_key_values, inputs_embeds.shape[0])
         if documents is not None:  # a packed (training) batch: nothing to continue from it, so no cache; the mask
             use_cache, past_key_values, attention_mask = False, None, None  # builders find the documents themselves
         if use_cache and past_key_values is None:
@@ -582,7 +582,7 @@ class SambaModel(SambaPreTrainedModel):
             )
         return hidden_states
 
-    def _packed_documents(self, position_ids, attention_mask, past_key_values) -> PackedDocuments | None:
+    def _packed_documents(self, position_ids, attention_mask, past_key_values, batch_size) -> PackedDocuments | None:
         """Documents packed into one row (position_ids restart within a row, no padding), or None."""
         if position_ids is None or position_ids.shape[1] < 2 or isinstance(attention_mask, dict):
             return None
@@ -596,7 +596,7 @@ class SambaModel(SambaPreTrainedModel):
                 "Packed sequences (position_ids restarting inside a row) cannot continue from a cache: run packed "
                 "batches without past_key_values, or pass one document per row."
             )
-        return PackedDocuments(document_ids)
+        return PackedDocuments(document_ids.expand(batch_size, -1))  # position_ids may come as (1, seq)
 
     def _inference_chunk(self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs) -> int:
         """The chunk length to split this forward into, or 0. Only inference (no autograd) over an input longer than
