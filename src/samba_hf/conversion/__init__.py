@@ -147,6 +147,9 @@ def export_lit_gpt(src: str | os.PathLike, out: str | os.PathLike, force: bool =
     os.close(handle)
     try:
         torch.save({"model": state}, tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

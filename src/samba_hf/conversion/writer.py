@@ -5,6 +5,7 @@ OUT as it was. Tensors are produced one by one from the (memory-mapped) source, 
 """
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -71,6 +72,7 @@ def atomic_folder(out: Path, force: bool):
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         yield tmp
+        _usual_permissions(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
             out.rename(old / out.name)
@@ -81,6 +83,15 @@ def atomic_folder(out: Path, force: bool):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _usual_permissions(folder: Path):
+    """mkdtemp makes a 0700 folder (and safetensors 0600 files): give them what the user's umask gives new files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def write_safetensors(
