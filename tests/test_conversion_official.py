@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from samba_hf import SambaConfig, SambaForCausalLM
 from samba_hf.conversion import ConversionError, convert, export_lit_gpt, lit_gpt, writer
@@ -402,3 +402,13 @@ def test_a_samba_hf_folder_passed_as_fla(tmp_path):
     with pytest.raises(ConversionError, match="already a samba-hf config"):
         convert("fla", tmp_path / "ours", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_fla_folder_with_a_pytorch_bin_file(tmp_path):
+    model = true_model(["mamba", "attn"], kv_heads=4, mlp=256, seed=21)
+    src = save_fla(tmp_path, model, attn_layers=[1])
+    weights = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    torch.save(weights, src / "pytorch_model.bin")
+    convert("fla", src, tmp_path / "out", progress=False)
+    assert (logits_of(tmp_path / "out", IDS) - float64_forward(model, IDS, window=8)).abs().max() <= 1e-4
