@@ -103,6 +103,16 @@ class Checkpoint:
         return json.loads(file.read_text())
 
 
+def heads_tied(checkpoint: Checkpoint, embedding: str, head: str = "lm_head.weight", declared: bool = True) -> bool:
+    """Whether the converted model ties its head to the embeddings: as the source declares, unless the checkpoint
+    holds both names with different values (then each keeps its own)."""
+    if not declared:
+        return False
+    if head in checkpoint and embedding in checkpoint:
+        return torch.equal(checkpoint[head], checkpoint[embedding])
+    return True
+
+
 def check_layout(
     checkpoint: Checkpoint,
     expected: dict[str, tuple[int, ...]],

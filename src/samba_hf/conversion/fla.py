@@ -12,7 +12,7 @@ Keys, per layer i (Mamba unless i is in `attn["layers"]`):
 import math
 
 from ..configuration_samba import SambaConfig
-from .checkpoint import Checkpoint, ConversionError, check_layout
+from .checkpoint import Checkpoint, ConversionError, check_layout, heads_tied
 
 # FLA's Samba defaults (fla/models/samba/configuration_samba.py), for fields a config.json leaves out.
 DEFAULT_ATTN = {"layers": (1, 3, 5, 7, 9, 11, 13, 15, 17), "num_heads": 18, "num_kv_heads": 18, "qkv_bias": False,
@@ -99,20 +99,23 @@ def fla_shapes(config: SambaConfig) -> dict[str, tuple[int, ...]]:
 
 def plan(checkpoint: Checkpoint, config: SambaConfig | None = None):
     config = config or config_from_fla(checkpoint.read_config())
+    shapes = fla_shapes(config)
     check_layout(
-        checkpoint, fla_shapes(config), "flash-linear-attention Samba",
+        checkpoint, shapes, "flash-linear-attention Samba",
         optional={"lm_head.weight"} if config.tie_word_embeddings else set(),
         ignored=lambda name: name.endswith("rotary.inv_freq"),
     )
-    if config.tie_word_embeddings and "lm_head.weight" in checkpoint:
-        config.tie_word_embeddings = False  # the file holds its own head: keep it
+    config.tie_word_embeddings = heads_tied(checkpoint, "backbone.embeddings.weight", declared=config.tie_word_embeddings)
     tensors = {"model.embed_tokens.weight": lambda: checkpoint["backbone.embeddings.weight"]}
     for i, kind in enumerate(config.layer_types):
         src, dst = f"backbone.layers.{i}", f"model.layers.{i}"
         tensors[f"{dst}.input_layernorm.weight"] = lambda s=src: checkpoint[f"{s}.mixer_norm.weight"]
+        # the mixer's tensors have the same names after `mixer.` as after samba-hf's `mamba.` / `self_attn.`
         prefix = "mamba" if kind == "linear_attention" else "self_attn"
-        for key in fla_shapes_of_layer(config, i):
-            tensors[f"{dst}.{prefix}.{key}"] = lambda s=src, k=key: checkpoint[f"{s}.mixer.{k}"]
+        mixer = f"{src}.mixer."
+        for name in shapes:
+            if name.startswith(mixer):
+                tensors[f"{dst}.{prefix}.{name.removeprefix(mixer)}"] = lambda n=name: checkpoint[n]
         tensors[f"{dst}.post_attention_layernorm.weight"] = lambda s=src: checkpoint[f"{s}.mlp_norm.weight"]
         for proj in ("gate_proj", "up_proj", "down_proj"):
             tensors[f"{dst}.mlp.{proj}.weight"] = lambda s=src, p=proj: checkpoint[f"{s}.mlp.{p}.weight"]
@@ -120,9 +123,3 @@ def plan(checkpoint: Checkpoint, config: SambaConfig | None = None):
     if not config.tie_word_embeddings:
         tensors["lm_head.weight"] = lambda: checkpoint["lm_head.weight"]
     return config, tensors
-
-
-def fla_shapes_of_layer(config: SambaConfig, i: int) -> list[str]:
-    """The mixer's tensor names (after `mixer.`) in layer i; the same names in samba-hf after `mamba.`/`self_attn.`."""
-    prefix = f"backbone.layers.{i}.mixer."
-    return [k[len(prefix):] for k in fla_shapes(config) if k.startswith(prefix)]

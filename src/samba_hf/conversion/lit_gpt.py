@@ -13,7 +13,7 @@ Official keys, per block i (even i: Mamba, odd i: attention; the mixer attribute
 import torch
 
 from ..configuration_samba import SambaConfig
-from .checkpoint import Checkpoint, ConversionError, check_layout
+from .checkpoint import Checkpoint, ConversionError, check_layout, heads_tied
 
 # The Samba-shaped configs of microsoft/Samba lit_gpt/config.py (all: vocab 32000 padded to a multiple of 64,
 # block_size 4096, RMSNorm eps 1e-5, LLaMAMLP, no biases, Mamba on even blocks, RoPE unless `nope`).
@@ -135,13 +135,6 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: SambaCon
     return per_group.reshape(-1, q.shape[-1])
 
 
-def embeddings_are_tied(checkpoint: Checkpoint) -> bool:
-    """Tied unless both names are present with different values."""
-    if "lm_head.weight" in checkpoint and "transformer.wte.weight" in checkpoint:
-        return torch.equal(checkpoint["lm_head.weight"], checkpoint["transformer.wte.weight"])
-    return True
-
-
 def plan(checkpoint: Checkpoint, config: SambaConfig):
     """Check the checkpoint against `config`, then return (config, {samba-hf name: producer})."""
     check_layout(
@@ -150,7 +143,7 @@ def plan(checkpoint: Checkpoint, config: SambaConfig):
     )
     if "lm_head.weight" not in checkpoint and "transformer.wte.weight" not in checkpoint:
         raise ConversionError(f"{checkpoint.path} has neither transformer.wte.weight nor lm_head.weight.")
-    config.tie_word_embeddings = embeddings_are_tied(checkpoint)
+    config.tie_word_embeddings = heads_tied(checkpoint, "transformer.wte.weight")  # the official code ties them
     embedding = "transformer.wte.weight" if "transformer.wte.weight" in checkpoint else "lm_head.weight"
     tensors = {"model.embed_tokens.weight": lambda: checkpoint[embedding]}
     for i, kind in enumerate(config.layer_types):

@@ -7,15 +7,9 @@
   Mistral and Llama keys are already samba-hf's (model.layers.{i}.self_attn.q_proj, mlp.gate_proj, ...).
 """
 
-import torch
-
 from ..configuration_samba import SambaConfig
-from .checkpoint import Checkpoint, ConversionError, check_layout
+from .checkpoint import Checkpoint, ConversionError, check_layout, heads_tied
 from .writer import expected_tensors
-
-MAMBA_TENSORS = ("A_log", "D", "in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
-                 "dt_proj.bias", "out_proj.weight", "in_proj.bias", "out_proj.bias")
-
 
 def _require(hf: dict, model_type: str):
     if hf.get("model_type") != model_type:
@@ -73,22 +67,17 @@ def config_from_llama(hf: dict) -> SambaConfig:
     return _attention_config(hf, "full_attention", None)
 
 
-def _head_tied(checkpoint: Checkpoint, config: SambaConfig, head: str, embedding: str) -> bool:
-    if not config.tie_word_embeddings:
-        return False
-    if head in checkpoint:  # both present: keep them apart unless they are the same values
-        return torch.equal(checkpoint[head], checkpoint[embedding])
-    return True
-
-
 def plan_mamba(checkpoint: Checkpoint, config: SambaConfig | None = None):
     config = config or config_from_mamba(checkpoint.read_config())
-    names = {"model.embed_tokens.weight": "backbone.embeddings.weight", "model.norm.weight": "backbone.norm_f.weight",
-             "lm_head.weight": "lm_head.weight"}
-    for i in range(config.num_hidden_layers):
-        names[f"model.layers.{i}.input_layernorm.weight"] = f"backbone.layers.{i}.norm.weight"
-        for name in MAMBA_TENSORS:
-            names[f"model.layers.{i}.mamba.{name}"] = f"backbone.layers.{i}.mixer.{name}"
+    # the mixer's tensors have the same names in both (mixer.* / mamba.*): only the prefixes change
+    renames = (("model.embed_tokens.", "backbone.embeddings."), ("model.norm.", "backbone.norm_f."),
+               ("model.layers.", "backbone.layers."), (".input_layernorm.", ".norm."), (".mamba.", ".mixer."))
+    names = {"lm_head.weight": "lm_head.weight"}
+    for ours in expected_tensors(config):
+        theirs = ours
+        for old, new in renames:
+            theirs = theirs.replace(old, new)
+        names[ours] = theirs
     return _rename(checkpoint, config, names, "transformers Mamba", "backbone.embeddings.weight")
 
 
@@ -111,7 +100,7 @@ def _rename(checkpoint, config, names, source, embedding):
         optional={"lm_head.weight"} if config.tie_word_embeddings else set(),
         ignored=lambda name: name.endswith("rotary_emb.inv_freq"),
     )
-    config.tie_word_embeddings = _head_tied(checkpoint, config, "lm_head.weight", embedding)
+    config.tie_word_embeddings = heads_tied(checkpoint, embedding, declared=config.tie_word_embeddings)
     if config.tie_word_embeddings:
         names.pop("lm_head.weight")
     return config, {ours: (lambda theirs=theirs: checkpoint[theirs]) for ours, theirs in names.items()}
