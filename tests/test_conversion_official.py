@@ -241,8 +241,7 @@ def test_converted_folder_loads_through_its_own_code(tmp_path):
     src = save_official(tmp_path, true_model(["mamba", "attn"], seed=12))
     convert("lit-gpt", src, tmp_path / "out", config=official_config(layers=2), progress=False)
     files = set(os.listdir(tmp_path / "out"))
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = writer.current_umask()
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
     assert (tmp_path / "out" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     assert {"config.json", "generation_config.json", "README.md", "modeling_samba.py", "configuration_samba.py",

@@ -25,6 +25,7 @@ from .verify import AUTO_VERIFY_MAX_PARAMS, verify
 from .writer import (
     DTYPES,
     atomic_folder,
+    current_umask,
     expected_tensors,
     parse_size,
     push_folder,
@@ -122,7 +123,7 @@ def convert(
         if tokenizer is not None:
             add_bos = False if source == "lit-gpt" else None  # the official runs packed documents without BOS
             save_tokenizer(tokenizer, folder, samba_config.vocab_size, add_bos)
-        parity = verify(source, checkpoint, samba_config, folder)[1] if verify_parity else None
+        parity = verify(source, checkpoint, samba_config, folder, dtype)[1] if verify_parity else None
         write_model_card(folder, source, str(src), command, parity or "not verified (pass --verify to measure it)",
                          samba_config)
     if push_to_hub:
@@ -147,9 +148,7 @@ def export_lit_gpt(src: str | os.PathLike, out: str | os.PathLike, force: bool =
     os.close(handle)
     try:
         torch.save({"model": state}, tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp made it 0600
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

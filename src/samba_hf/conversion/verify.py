@@ -24,9 +24,12 @@ def reference_logits(source: str, checkpoint: Checkpoint, config: SambaConfig, i
         return model(ids).logits.double()
 
 
-def verify(source: str, checkpoint: Checkpoint, config: SambaConfig, folder, num_tokens: int = 24) -> tuple[float, str]:
-    """Max |logit difference| between the converted model (float32) and the source's reference forward; raises
-    when a float32 conversion is off by more than 1e-3 of the logits' scale. Returns (difference, summary line)."""
+def verify(
+    source: str, checkpoint: Checkpoint, config: SambaConfig, folder, dtype: torch.dtype, num_tokens: int = 24
+) -> tuple[float, str]:
+    """Max |logit difference| between the converted model (loaded in float32) and the source's reference forward;
+    raises when a conversion written in float32 (`dtype`) is off by more than 1e-3 of the logits' scale.
+    Returns (difference, summary line)."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (2, num_tokens), generator=generator)
     model = SambaForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -38,7 +41,6 @@ def verify(source: str, checkpoint: Checkpoint, config: SambaConfig, folder, num
     kind = "transformers' own class" if source in ("mamba", "mistral", "llama") else "a float64 forward of the source"
     summary = (f"max |logit difference| {difference:.3g} (logits up to {scale:.3g}) on 2 x {num_tokens} random tokens, "
                f"converted model in float32 against {kind}")
-    stored = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype))
-    if stored == torch.float32 and difference > 1e-3 * scale:
+    if dtype == torch.float32 and difference > 1e-3 * scale:
         raise ConversionError(f"verification failed: {summary}. Nothing was written.")
     return difference, summary

@@ -85,10 +85,15 @@ def atomic_folder(out: Path, force: bool):
         raise
 
 
+def current_umask() -> int:
+    umask = os.umask(0)  # the only way to read it is to set it
+    os.umask(umask)
+    return umask
+
+
 def _usual_permissions(folder: Path):
     """mkdtemp makes a 0700 folder (and safetensors 0600 files): give them what the user's umask gives new files."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = current_umask()
     folder.chmod(0o777 & ~umask)
     for path in folder.rglob("*"):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
