@@ -518,7 +518,8 @@ class SambaModel(SambaPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        chunk = self._inference_chunk(inputs_embeds, attention_mask, position_ids, past_key_values, kwargs)
+        # packed documents go through in one piece (their boundaries were found once, above)
+        chunk = self._inference_chunk(inputs_embeds, attention_mask, past_key_values, kwargs) if documents is None else 0
         if chunk:
             # Long inference input: go through the cache a chunk at a time (exactly equal, tested; the activations
             # of a chunk stay in the CPU caches and memory stays bounded by the chunk, not the prompt).
@@ -598,7 +599,7 @@ class SambaModel(SambaPreTrainedModel):
             )
         return PackedDocuments(document_ids.expand(batch_size, -1))  # position_ids may come as (1, seq)
 
-    def _inference_chunk(self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs) -> int:
+    def _inference_chunk(self, inputs_embeds, attention_mask, past_key_values, kwargs) -> int:
         """The chunk length to split this forward into, or 0. Only inference (no autograd) over an input longer than
         `config.inference_chunk_size`, without padding, per-layer outputs, packed sequences or a static cache."""
         chunk = self.config.inference_chunk_size
@@ -611,8 +612,6 @@ class SambaModel(SambaPreTrainedModel):
         ):
             return 0
         if past_key_values is not None and type(past_key_values) is not DynamicCache:
-            return 0
-        if not bool((position_ids.diff(dim=-1) == 1).all()):  # packed sequences restart their positions
             return 0
         return chunk
 
