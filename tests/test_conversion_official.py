@@ -102,6 +102,13 @@ def float64_forward(model, ids, window=None, rope=True):
 # ---------------------------------------------------------------- the two source layouts
 
 
+def mamba_tensors(layer, prefix):
+    """A Mamba mixer's tensors under `prefix`: the same names (mamba-ssm's) in the official code and in FLA."""
+    names = {"in_proj.weight": "in_proj", "conv1d.weight": "conv_w", "conv1d.bias": "conv_b", "x_proj.weight": "x_proj",
+             "dt_proj.weight": "dt_w", "dt_proj.bias": "dt_b", "A_log": "A_log", "D": "D", "out_proj.weight": "out_proj"}
+    return {f"{prefix}.{name}": layer[key] for name, key in names.items()}
+
+
 def official_state_dict(model):
     """The official layout, built group by group: rows [q heads of group g, k_g, v_g] for each g."""
     sd = {"transformer.wte.weight": model["embed"], "lm_head.weight": model["head"], "transformer.ln_f.weight": model["norm"]}
@@ -112,10 +119,7 @@ def official_state_dict(model):
                f"{p}.mlp.swiglu.w1.weight": layer["gate"], f"{p}.mlp.swiglu.w2.weight": layer["up"],
                f"{p}.mlp.swiglu.w3.weight": layer["down"]}
         if layer["kind"] == "mamba":
-            sd |= {f"{p}.attn.in_proj.weight": layer["in_proj"], f"{p}.attn.conv1d.weight": layer["conv_w"],
-                   f"{p}.attn.conv1d.bias": layer["conv_b"], f"{p}.attn.x_proj.weight": layer["x_proj"],
-                   f"{p}.attn.dt_proj.weight": layer["dt_w"], f"{p}.attn.dt_proj.bias": layer["dt_b"],
-                   f"{p}.attn.A_log": layer["A_log"], f"{p}.attn.D": layer["D"], f"{p}.attn.out_proj.weight": layer["out_proj"]}
+            sd |= mamba_tensors(layer, f"{p}.attn")
         else:
             rows = []
             for g in range(model["kv_heads"]):
@@ -365,11 +369,7 @@ def save_fla(tmp_path, model, attn_layers, window=8, tie=False):
                f"{p}.mlp.gate_proj.weight": layer["gate"], f"{p}.mlp.up_proj.weight": layer["up"],
                f"{p}.mlp.down_proj.weight": layer["down"]}
         if layer["kind"] == "mamba":
-            sd |= {f"{p}.mixer.in_proj.weight": layer["in_proj"], f"{p}.mixer.conv1d.weight": layer["conv_w"],
-                   f"{p}.mixer.conv1d.bias": layer["conv_b"], f"{p}.mixer.x_proj.weight": layer["x_proj"],
-                   f"{p}.mixer.dt_proj.weight": layer["dt_w"], f"{p}.mixer.dt_proj.bias": layer["dt_b"],
-                   f"{p}.mixer.A_log": layer["A_log"], f"{p}.mixer.D": layer["D"],
-                   f"{p}.mixer.out_proj.weight": layer["out_proj"]}
+            sd |= mamba_tensors(layer, f"{p}.mixer")
         else:
             sd |= {f"{p}.mixer.{n}_proj.weight": layer[n] for n in "qkvo"}
     save_file({k: v.float().contiguous() for k, v in sd.items()}, folder / "model.safetensors")

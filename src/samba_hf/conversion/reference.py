@@ -66,6 +66,10 @@ def _mamba(x, get, config: SambaConfig):
     return y @ get("out_proj.weight").T + (get("out_proj.bias") if config.mamba_proj_bias else 0)
 
 
+def _swiglu(h, gate, up, down):
+    return (F.silu(h @ gate.T) * (h @ up.T)) @ down.T
+
+
 def lit_gpt_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch.Tensor:
     """The official model (lit_gpt/model.py: GPT, Block, CausalSelfAttention, LLaMAMLP) in float64."""
     def get(name):
@@ -90,8 +94,7 @@ def lit_gpt_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch.
             h = _attention(q, k, v, config, window) @ get(f"{block}.attn.proj.weight").T
         x = x + h
         h = _rms_norm(x, get(f"{block}.norm_2.weight"), eps)
-        swiglu = F.silu(h @ get(f"{block}.mlp.swiglu.w1.weight").T) * (h @ get(f"{block}.mlp.swiglu.w2.weight").T)
-        x = x + swiglu @ get(f"{block}.mlp.swiglu.w3.weight").T
+        x = x + _swiglu(h, *(get(f"{block}.mlp.swiglu.{w}.weight") for w in ("w1", "w2", "w3")))  # gate, up, down
     x = _rms_norm(x, get("transformer.ln_f.weight"), eps)
     head = "lm_head.weight" if "lm_head.weight" in state_dict else "transformer.wte.weight"
     return x @ get(head).T
@@ -117,8 +120,7 @@ def fla_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch.Tens
             h = h @ get(f"{layer}.mixer.o_proj.weight").T
         x = x + h
         h = _rms_norm(x, get(f"{layer}.mlp_norm.weight"), eps)
-        gated = F.silu(h @ get(f"{layer}.mlp.gate_proj.weight").T) * (h @ get(f"{layer}.mlp.up_proj.weight").T)
-        x = x + gated @ get(f"{layer}.mlp.down_proj.weight").T
+        x = x + _swiglu(h, *(get(f"{layer}.mlp.{p}_proj.weight") for p in ("gate", "up", "down")))
     x = _rms_norm(x, get("backbone.norm_f.weight"), eps)
     head = "lm_head.weight" if "lm_head.weight" in state_dict else "backbone.embeddings.weight"
     return x @ get(head).T
