@@ -338,7 +338,14 @@ def test_non_empty_out_needs_force_and_an_interrupted_write_keeps_the_old_folder
     (out / "keep.txt").write_text("mine")
     with pytest.raises(ConversionError, match="not empty.*--force"):
         convert("lit-gpt", src, out, config=official_config(layers=2))
-    assert (out / "keep.txt").read_text() == "mine"
+    # --force replaces only an earlier samba-hf output, never a folder holding files of the user's
+    with pytest.raises(ConversionError, match=r"holds files samba-hf does not write \(keep.txt\).*--force only"):
+        convert("lit-gpt", src, out, config=official_config(layers=2), force=True)
+    assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+    out = tmp_path / "earlier"
+    convert("lit-gpt", src, out, config=official_config(layers=2), progress=False)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -346,11 +353,11 @@ def test_non_empty_out_needs_force_and_an_interrupted_write_keeps_the_old_folder
     monkeypatch.setattr(writer, "save_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
         convert("lit-gpt", src, out, config=official_config(layers=2), force=True, progress=False)
-    assert sorted(os.listdir(out)) == ["keep.txt"]
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     monkeypatch.undo()
-    convert("lit-gpt", src, out, config=official_config(layers=2), force=True, progress=False)
-    assert "keep.txt" not in os.listdir(out) and (out / "model.safetensors").is_file()
+    convert("lit-gpt", src, out, config=official_config(layers=2), dtype="bfloat16", force=True, progress=False)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 # ---------------------------------------------------------------- FLA

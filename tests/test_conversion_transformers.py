@@ -413,8 +413,15 @@ def test_cli_non_empty_out_needs_force(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert (out / "keep.txt").read_text() == "mine"
 
+    assert main(argv + ["--force"]) == 1  # --force replaces an earlier output of ours only
+    assert "holds files samba-hf does not write (keep.txt)" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+
+    (out / "keep.txt").unlink()
+    assert main(argv) == 0
+    assert main(argv) == 1 and "--force" in capsys.readouterr().err
     assert main(argv + ["--force"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "model.safetensors").is_file()
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 

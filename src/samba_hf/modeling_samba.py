@@ -735,4 +735,15 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         return total
 
 
+def hub_metadata(license: str = "unknown", base_model: str | None = None, extra_tags: list[str] = ()) -> str:
+    """The YAML front matter of a Samba model card (Hub metadata), without the `---` lines."""
+    from huggingface_hub import ModelCardData
+
+    tags = ["samba", "mamba", "sliding-window-attention", "samba-hf", *extra_tags]
+    return ModelCardData(
+        library_name="transformers", license=license, tags=list(dict.fromkeys(tags)), pipeline_tag="text-generation",
+        base_model=base_model,
+    ).to_yaml()
+
+
 __all__ = ["SambaForCausalLM", "SambaModel", "SambaPreTrainedModel"]

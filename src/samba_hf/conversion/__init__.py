@@ -13,6 +13,7 @@ import os
 import shlex
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -20,15 +21,19 @@ import torch
 from ..configuration_samba import SambaConfig
 from . import fla, lit_gpt, transformers_models
 from .checkpoint import Checkpoint, ConversionError
-from .tokenizer import save_tokenizer
+from .tokenizer import TOKENIZER_FILES, save_tokenizer
 from .verify import AUTO_VERIFY_MAX_PARAMS, verify
 from .writer import (
     DTYPES,
     atomic_folder,
+    check_output,
+    clean_stale,
     current_umask,
     expected_tensors,
+    os_errors,
     parse_size,
     push_folder,
+    temporary_name,
     write_config_and_code,
     write_model_card,
     write_safetensors,
@@ -50,32 +55,65 @@ PLANS = {
 }
 
 
-def resolve_config(config: str | os.PathLike | SambaConfig | dict | None, source: str) -> SambaConfig | None:
+def resolve_config(config: str | os.PathLike | SambaConfig | dict | None) -> SambaConfig | None:
     """An official config name (lit-gpt), a SambaConfig JSON file or folder, a dict of SambaConfig fields, or None."""
     if config is None or isinstance(config, SambaConfig):
-        if config is None and source == "lit-gpt":
-            raise ConversionError(
-                "the official checkpoints do not record their sizes: pass --config with the name used for training "
-                f"({', '.join(lit_gpt.OFFICIAL_CONFIGS)}) or a SambaConfig JSON file."
-            )
         return config
-    if isinstance(config, dict):
-        return SambaConfig(**config)
     if isinstance(config, str) and config in lit_gpt.OFFICIAL_CONFIGS:
         return lit_gpt.config_from_name(config)
-    path = Path(config)
-    if path.is_dir():
+    path = Path(config) if not isinstance(config, dict) else None
+    if path is not None and path.is_dir():
         path = path / "config.json"
-    if path.is_file():
-        fields = json.loads(path.read_text())
-        if fields.get("model_type", "samba") != "samba" or "layer_types" not in fields and "hidden_size" not in fields:
-            raise ConversionError(f"{path} is not a SambaConfig JSON (no samba-hf fields).")
-        fields.pop("model_type", None)
-        return SambaConfig(**{k: v for k, v in fields.items() if k not in ("auto_map", "architectures", "transformers_version")})
-    raise ConversionError(
-        f"--config {config!r} is neither an official config name ({', '.join(lit_gpt.OFFICIAL_CONFIGS)}) nor a "
-        "SambaConfig JSON file."
-    )
+    if path is not None and not path.is_file():
+        raise ConversionError(
+            f"--config {config!r} is neither an official config name ({', '.join(lit_gpt.OFFICIAL_CONFIGS)}) nor a "
+            "SambaConfig JSON file."
+        )
+    try:
+        fields = config if path is None else json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ConversionError(f"cannot read --config {path} as JSON ({error}).") from None
+    if not isinstance(fields, dict) or fields.get("model_type", "samba") != "samba" or not (
+        "layer_types" in fields or "hidden_size" in fields
+    ):
+        raise ConversionError(f"--config {config}: not a SambaConfig JSON (an object of samba-hf config fields).")
+    fields = {k: v for k, v in fields.items() if k not in ("model_type", "auto_map", "architectures", "transformers_version")}
+    try:
+        return SambaConfig(**fields)
+    except (TypeError, ValueError) as error:
+        raise ConversionError(f"--config {config}: {str(error).strip().splitlines()[0]}") from None
+
+
+def source_card(checkpoint: Checkpoint) -> dict:
+    """What the source folder says of itself for the model card: the Hub repository its config.json names
+    ("org/name"), as base_model, and the license of its own model card. Empty when unknown."""
+    folder = checkpoint.path if checkpoint.path.is_dir() else checkpoint.path.parent
+    known = {}
+    try:
+        name = str(json.loads((folder / "config.json").read_text()).get("_name_or_path", ""))
+        if len(name.split("/")) == 2 and all(name.split("/")) and not Path(name).exists():
+            known["base_model"] = name
+    except (OSError, ValueError, AttributeError):
+        pass
+    if (folder / "README.md").is_file():
+        from huggingface_hub import ModelCard
+
+        try:
+            license = ModelCard.load(folder / "README.md").data.license
+        except Exception:  # a README without (valid) metadata: nothing to learn from it
+            license = None
+        if license:
+            known["license"] = license
+    return known
+
+
+def source_tokenizer(src: Path) -> Path | None:
+    """The tokenizer that comes with a source folder (or lies beside a checkpoint file), if any: the folder when it
+    holds a transformers tokenizer, else its SentencePiece tokenizer.model."""
+    folder = src if src.is_dir() else src.parent
+    if any((folder / name).is_file() for name in TOKENIZER_FILES if name != "tokenizer.model"):
+        return folder
+    return folder / "tokenizer.model" if (folder / "tokenizer.model").is_file() else None
 
 
 def convert(
@@ -90,24 +128,38 @@ def convert(
     verify_parity: bool | None = None,
     push_to_hub: str | None = None,
     force: bool = False,
+    force_config: bool = False,
     progress: bool = True,
     command: str | None = None,
 ) -> dict:
     """Convert `src` (a checkpoint in `source` format) into a samba-hf folder `out`.
 
     dtype: None keeps the source's dtype (of its embedding matrix). verify_parity: None = on for models up to 1B
-    parameters. Returns {"out", "config", "parity"} (parity: the summary line, or None when not verified).
+    parameters. tokenizer: None takes the source folder's tokenizer when it has one. force: replace an earlier
+    samba-hf output at `out` (never a folder holding the source or files samba-hf did not write). force_config:
+    convert a lit-gpt checkpoint with a `config` that contradicts the model_name it records.
+    Returns {"out", "config", "config_origin", "parity", "tokenizer", "cleaned"} (parity: the summary line, or None
+    when not verified; cleaned: what an interrupted earlier run had left beside `out`, removed or reported).
     """
     if source not in PLANS:
         raise ConversionError(f"unknown source {source!r}; choose one of: {', '.join(PLANS)}.")
-    out = Path(out)
+    src, out = Path(src), Path(out)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ConversionError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
         dtype = DTYPES[dtype]
     shard_bytes = parse_size(max_shard_size)
+    tokenizer = Path(tokenizer) if tokenizer is not None else source_tokenizer(src)
+    sources = (src,) if tokenizer is None else (src, tokenizer)
+    check_output(out, force, sources)  # before reading gigabytes
+    cleaned = clean_stale(out)
     checkpoint = Checkpoint(src)
-    samba_config, tensors = PLANS[source](checkpoint, resolve_config(config, source))
+    samba_config, origin = resolve_config(config), "from the source's config.json"
+    if source == "lit-gpt":
+        samba_config, origin = lit_gpt.choose_config(checkpoint, samba_config, force_config)
+    elif config is not None:
+        origin = "as given by --config"
+    samba_config, tensors = PLANS[source](checkpoint, samba_config)
     shapes = expected_tensors(samba_config)
     if dtype is None:
         first = next(iter(tensors.values()))()
@@ -117,7 +169,7 @@ def convert(
         verify_parity = params <= AUTO_VERIFY_MAX_PARAMS
     command = command or "samba_hf.conversion.convert(" + ", ".join(repr(str(a)) for a in (source, src, out)) + ")"
 
-    with atomic_folder(out, force) as folder:
+    with atomic_folder(out, force, sources) as folder:
         write_safetensors(folder, tensors, shapes, dtype, shard_bytes, progress=progress)
         write_config_and_code(folder, samba_config, dtype)
         if tokenizer is not None:
@@ -125,35 +177,67 @@ def convert(
             save_tokenizer(tokenizer, folder, samba_config.vocab_size, add_bos)
         parity = verify(source, checkpoint, samba_config, folder, dtype)[1] if verify_parity else None
         write_model_card(folder, source, str(src), command, parity or "not verified (pass --verify to measure it)",
-                         samba_config)
+                         samba_config, **source_card(checkpoint))
     if push_to_hub:
         push_folder(out, push_to_hub)
-    return {"out": out, "config": samba_config, "parity": parity}
+    return {"out": out, "config": samba_config, "config_origin": origin, "parity": parity, "tokenizer": tokenizer,
+            "cleaned": cleaned}
 
 
 def export_lit_gpt(src: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> dict:
     """A samba-hf folder -> the official code's checkpoint file `{"model": state_dict}` (what its eval.py loads),
-    in the folder's dtype. Returns {"out", "official_name"} (the matching official config name, or None)."""
-    from ..modeling_samba import SambaForCausalLM
+    in the folder's dtype. Every tensor comes from the folder (a missing, unexpected or mis-shaped one, or NaN/inf,
+    is an error). Returns {"out", "official_name", "cleaned"} (official_name: the matching official config name, or
+    None; cleaned: what an interrupted earlier run had left beside `out`)."""
+    from ..model_folder import ModelFolderError, load_model
 
-    out = Path(out)
-    if out.exists() and not force:
-        raise ConversionError(f"{out} exists; choose a new file name, or pass --force to replace it.")
-    if not (Path(src) / "config.json").is_file():
-        raise ConversionError(f"{src} is not a samba-hf model folder (no config.json).")
-    model = SambaForCausalLM.from_pretrained(src, dtype="auto")
+    src, out = Path(src), Path(out)
+    check_export_target(out, src, force)
+    cleaned = clean_stale(out)
+    try:
+        model = load_model(src, dtype="auto")
+    except ModelFolderError as error:
+        raise ConversionError(str(error)) from None
     state = lit_gpt.to_official(model.state_dict(), model.config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    with os_errors(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        handle, tmp = tempfile.mkstemp(prefix=temporary_name(out), suffix=".partial", dir=out.parent)
     os.close(handle)
     try:
-        torch.save({"model": state}, tmp)
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp made it 0600
-        os.replace(tmp, out)
+        with os_errors(out):
+            torch.save({"model": state}, tmp)
+            os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp made it 0600
+            os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return {"out": out, "official_name": lit_gpt.official_name_of(model.config)}
+    return {"out": out, "official_name": lit_gpt.official_name_of(model.config), "cleaned": cleaned}
+
+
+def check_export_target(out: Path, src: Path, force: bool):
+    """OUT is a new file, or (with --force) an earlier export: a PyTorch zip checkpoint that is not a file of SRC."""
+    if out.is_dir():
+        raise ConversionError(f"{out} is a folder; give the file to write, e.g. {out / 'samba.pth'}.")
+    if not out.exists():
+        return
+    if not force:
+        raise ConversionError(f"{out} exists; choose a new file name, or pass --force to replace it.")
+    if out.resolve().parent == src.resolve():
+        raise ConversionError(f"{out} is a file of the source folder {src}; write the export elsewhere.")
+    if not is_torch_checkpoint(out):
+        raise ConversionError(
+            f"{out} is not a PyTorch checkpoint that samba-hf export writes; --force only replaces an earlier "
+            "export. Choose a new file name."
+        )
+
+
+def is_torch_checkpoint(path: Path) -> bool:
+    """A torch.save zip archive (what export writes), without reading its tensors."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def command_line(argv: list[str] | None = None) -> str:

@@ -36,6 +36,7 @@ class Checkpoint:
         self._tensors: dict[str, torch.Tensor] = {}  # from torch files (memory-mapped)
         self._safetensors: dict[str, Path] = {}  # name -> file, read on demand
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self.hparams: dict = {}  # what a training checkpoint records about its run (the official "model_name")
         if not self.path.exists():
             raise ConversionError(f"{self.path} does not exist; pass the checkpoint file or model folder to convert.")
         if self.path.is_dir():
@@ -70,7 +71,10 @@ class Checkpoint:
     def _add_torch_file(self, file: Path):
         data = _torch_load(file)
         if isinstance(data, dict) and isinstance(data.get("model"), dict):
-            data = data["model"]  # a training checkpoint: {"model", "optimizer", "hparams", ...}
+            # a training checkpoint of the official code: {"model", "optimizer", "hparams", "iter_num", ...}
+            if isinstance(data.get("hparams"), dict):
+                self.hparams = data["hparams"]
+            data = data["model"]
         if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
             raise ConversionError(
                 f"{file} is not a state dict (a mapping of names to tensors) nor a training checkpoint with a "
@@ -120,6 +124,7 @@ def check_layout(
     optional: set[str] = frozenset(),
     ignored=lambda name: False,
     hint: str = "",
+    header: str | None = None,
 ):
     """Compare the checkpoint's keys and shapes with `expected` (names the config implies) and raise one
     ConversionError that lists every missing, unexpected and mis-shaped tensor."""
@@ -133,7 +138,7 @@ def check_layout(
     )
     if not (missing or unexpected or misshaped):
         return
-    lines = [f"{checkpoint.path} does not match the {source} layout of the chosen config:"]
+    lines = [header or f"{checkpoint.path} does not match the {source} layout of the chosen config:"]
     for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped)):
         if items:
             shown = items[:8] + ([f"... and {len(items) - 8} more"] if len(items) > 8 else [])

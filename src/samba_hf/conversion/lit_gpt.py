@@ -188,13 +188,51 @@ def to_official(state_dict: dict[str, torch.Tensor], config: SambaConfig) -> dic
     return out
 
 
+# The fields that tell official configs apart (the rest is the same for all of them).
+MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "sliding_window", "use_rope", "layer_types")
+
+
+def differences(a: SambaConfig, b: SambaConfig) -> list[str]:
+    return [field for field in MODEL_FIELDS if getattr(a, field) != getattr(b, field)]
+
+
 def official_name_of(config: SambaConfig) -> str | None:
     """The official config name with exactly these sizes, if there is one."""
-    for name in OFFICIAL_CONFIGS:
-        candidate = config_from_name(name)
-        if all(getattr(candidate, f) == getattr(config, f) for f in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "sliding_window", "use_rope", "layer_types",
-        )):
-            return name
-    return None
+    return next((name for name in OFFICIAL_CONFIGS if not differences(config_from_name(name), config)), None)
+
+
+def choose_config(checkpoint: Checkpoint, config: SambaConfig | None, force_config: bool = False):
+    """The config to convert with, and a line saying where it came from.
+
+    A training checkpoint records its `hparams["model_name"]`: it is used when no config is given, and a given
+    config that builds a different model is refused unless `force_config` (the `_nope` and window variants have the
+    same shapes as Samba_421M, so only the record tells them apart). A bare state dict records nothing."""
+    recorded = checkpoint.hparams.get("model_name")
+    if recorded is None:
+        if config is None:
+            raise ConversionError(
+                f"{checkpoint.path} does not record its config (no hparams['model_name']): pass --config with the "
+                f"name used for training ({', '.join(OFFICIAL_CONFIGS)}) or a SambaConfig JSON file."
+            )
+        return config, "as given by --config (the checkpoint records no model_name)"
+    if recorded not in OFFICIAL_CONFIGS:
+        if config is None:
+            raise ConversionError(
+                f"{checkpoint.path} was trained as model_name {recorded!r}, which is not a Samba config samba-hf "
+                f"knows ({', '.join(OFFICIAL_CONFIGS)}): pass --config with a SambaConfig JSON of its sizes."
+            )
+        return config, f"as given by --config (the recorded model_name {recorded!r} is not an official config)"
+    official = config_from_name(recorded)
+    if config is None:
+        return official, f"{recorded}, recorded in the checkpoint"
+    changed = differences(official, config)
+    if not changed:
+        return config, f"{recorded}, recorded in the checkpoint and given by --config"
+    if not force_config:
+        raise ConversionError(
+            f"{checkpoint.path} records model_name {recorded!r}, but --config differs from it in "
+            f"{', '.join(changed)}: these weights would run as a different model. Leave --config out to use "
+            f"{recorded}, or pass --force-config if the recorded name is wrong."
+        )
+    return config, f"as given by --config with --force-config, overriding the recorded {recorded!r} ({', '.join(changed)})"

@@ -8,6 +8,9 @@ from transformers import AutoTokenizer, LlamaTokenizer, PreTrainedTokenizerBase
 
 from .checkpoint import ConversionError
 
+# Any one of these lets AutoTokenizer build a tokenizer from a folder.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
 
 def load_tokenizer(path: str | Path, add_bos: bool | None) -> PreTrainedTokenizerBase:
     """`add_bos=False` forces a tokenizer that adds no BOS (the official Samba checkpoints were trained without

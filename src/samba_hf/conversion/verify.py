@@ -36,6 +36,12 @@ def verify(
     with torch.no_grad():
         ours = model(ids).logits.double()
     expected = reference_logits(source, checkpoint, config, ids)
+    for name, logits in (("the converted model's", ours), ("the source's reference", expected)):
+        if not bool(torch.isfinite(logits).all()):
+            raise ConversionError(
+                f"verification failed: {name} logits are not finite (NaN or inf) on 2 x {num_tokens} random tokens. "
+                "Nothing was written."
+            )
     difference = (ours - expected).abs().max().item()
     scale = max(1.0, expected.abs().max().item())
     kind = "transformers' own class" if source in ("mamba", "mistral", "llama") else "a float64 forward of the source"

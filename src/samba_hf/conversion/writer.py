@@ -4,6 +4,7 @@ The folder is written under a temporary name beside OUT and renamed at the very 
 OUT as it was. Tensors are produced one by one from the (memory-mapped) source, cast, and written shard by shard.
 """
 
+import errno
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 
 from ..configuration_samba import SambaConfig
-from ..modeling_samba import SambaForCausalLM
+from ..modeling_samba import SambaForCausalLM, hub_metadata
 from .checkpoint import ConversionError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,33 +57,135 @@ def expected_tensors(config: SambaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_output(out: Path, force: bool):
+# What a samba-hf folder holds (writer and save_pretrained): `--force` replaces a folder of these names only.
+OUR_FILES = re.compile(
+    r"config\.json|generation_config\.json|README\.md|model(-\d{5}-of-\d{5})?\.safetensors|"
+    r"model\.safetensors\.index\.json|(configuration|modeling|ssm)_samba\.py|tokenizer(_config)?\.json|"
+    r"tokenizer\.model|special_tokens_map\.json|added_tokens\.json|chat_template\.jinja|vocab\.json|merges\.txt"
+)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def check_output(out: Path, force: bool, sources: tuple[Path, ...] = ()):
+    """OUT may be replaced only when it is empty, or (with --force) an earlier samba-hf output that holds none of
+    the sources: --force never deletes a checkpoint or anything samba-hf did not write."""
+    for source in sources:
+        if _inside(Path(source), out):
+            raise ConversionError(
+                f"the source {source} lies inside the output folder {out}: writing there would delete it. "
+                "Choose an output folder outside the source."
+            )
     if out.exists() and not out.is_dir():
         raise ConversionError(f"{out} exists and is not a folder; choose another output path.")
-    if out.is_dir() and any(out.iterdir()) and not force:
+    if not (out.is_dir() and any(out.iterdir())):
+        return
+    if not force:
         raise ConversionError(f"{out} is not empty; choose a new folder, or pass --force to replace it.")
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()
+                     if p.is_dir() or not OUR_FILES.fullmatch(p.name))
+    if foreign or not _is_samba_config(out / "config.json"):
+        what = f"holds files samba-hf does not write ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''})" \
+            if foreign else "is not a samba-hf model folder (no samba config.json)"
+        raise ConversionError(
+            f"{out} {what}; --force only replaces an earlier samba-hf output. Choose a new folder, or move those "
+            "files away yourself."
+        )
+
+
+def _is_samba_config(file: Path) -> bool:
+    try:
+        return json.loads(file.read_text()).get("model_type") == "samba"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def temporary_name(out: Path) -> str:
+    """Prefix of the temporary entries written beside OUT: `.{OUT}.{pid}.` + random + `.partial` / `.old`, so a
+    later run can tell the ones left by a process that no longer runs."""
+    return f".{out.name}.{os.getpid()}."
+
+
+def clean_stale(out: Path) -> list[str]:
+    """Remove what an interrupted (killed) run of ours left beside OUT; returns one line per entry handled.
+
+    `.partial` entries of a process that no longer runs are deleted. An `.old` folder holds the previous OUT during
+    the final swap: it is put back when OUT is missing, and deleted when OUT is there. Entries of a running process,
+    or without a process id (samba-hf before 0.1.1), are reported and left alone."""
+    out = Path(out)
+    # mkdtemp / mkstemp add 8 characters of [a-z0-9_]: nothing else beside OUT matches
+    pattern = re.compile(re.escape(f".{out.name}.") + r"(?:(\d+)\.)?[a-z0-9_]{8}\.(partial|old)")
+    lines = []
+    if not out.parent.is_dir():
+        return lines
+    for entry in sorted(out.parent.iterdir()):
+        match = pattern.fullmatch(entry.name)
+        if not match:
+            continue
+        pid, kind = match.group(1), match.group(2)
+        if pid is None or _running(int(pid)):
+            owner = f"process {pid} is still running" if pid else "left by an older samba-hf"
+            lines.append(f"{entry} ({owner}) was left alone; delete it once no conversion is running")
+        elif kind == "old" and not out.exists() and (entry / out.name).exists():
+            (entry / out.name).rename(out)
+            entry.rmdir()
+            lines.append(f"restored {out} from {entry}, left by an interrupted run (process {pid})")
+        else:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            lines.append(f"removed {entry}, left by an interrupted run (process {pid})")
+    return lines
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 @contextmanager
-def atomic_folder(out: Path, force: bool):
+def atomic_folder(out: Path, force: bool, sources: tuple[Path, ...] = ()):
     """Yield a temporary folder beside `out`; on success it replaces `out`, on any failure it is deleted."""
     out = Path(out)
-    check_output(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    check_output(out, force, sources)
+    with os_errors(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=temporary_name(out), suffix=".partial", dir=out.parent))
     try:
-        yield tmp
-        _usual_permissions(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            out.rename(old / out.name)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        with os_errors(out):
+            yield tmp
+            _usual_permissions(tmp)
+            if out.exists():
+                old = Path(tempfile.mkdtemp(prefix=temporary_name(out), suffix=".old", dir=out.parent))
+                out.rename(old / out.name)
+                tmp.rename(out)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def os_errors(out: Path):
+    """An OSError while writing OUT (read-only or full file system, a parent that is a file, no permission) becomes
+    a ConversionError that says what happened where."""
+    try:
+        yield
+    except OSError as error:
+        where = error.filename or out
+        fix = {errno.ENOSPC: "free some space or write elsewhere", errno.EROFS: "choose a writable location",
+               errno.EACCES: "choose a folder you can write to", errno.ENOTDIR: "a parent of OUT is a file; choose "
+               "another path", errno.EEXIST: "a parent of OUT is a file; choose another path"}.get(
+                   error.errno, "check the output path")
+        raise ConversionError(f"cannot write {out}: {error.strerror or error} ({where}); {fix}.") from None
 
 
 def current_umask() -> int:
@@ -137,7 +240,10 @@ def write_safetensors(
                 tensor = tensors[name]()
                 if tuple(tensor.shape) != tuple(shapes[name]):
                     raise RuntimeError(f"{name}: produced {list(tensor.shape)}, model expects {list(shapes[name])}")
-                tensor = tensor.to(torch.float32 if keeps_float32(name) else dtype).contiguous()
+                cast = tensor.to(torch.float32 if keeps_float32(name) else dtype).contiguous()
+                if not bool(torch.isfinite(cast).all()):
+                    raise ConversionError(non_finite_message(name, tensor, cast.dtype))
+                tensor = cast
                 if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                     tensor = tensor.clone()  # a view into a larger tensor (a slice of a fused weight)
                 shard[name] = tensor
@@ -151,6 +257,16 @@ def write_safetensors(
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def non_finite_message(name: str, source: torch.Tensor, dtype: torch.dtype) -> str:
+    """Why a tensor would be written with NaN/inf: damaged in the source, or too large for the output dtype."""
+    if not bool(torch.isfinite(source).all()):
+        return (f"{name} holds NaN or inf values in the source checkpoint: the checkpoint is damaged (a diverged or "
+                "interrupted training run?). Nothing was written.")
+    largest = source.abs().max().item()
+    return (f"{name} has values up to {largest:.4g}, beyond the range of {str(dtype).removeprefix('torch.')} "
+            f"(they would be written as inf). Convert with --dtype bfloat16 or float32. Nothing was written.")
+
+
 def write_config_and_code(folder: Path, config: SambaConfig, dtype: torch.dtype):
     """config.json (with auto_map), generation_config.json and the remote-code files."""
     config.dtype = dtype
@@ -160,15 +276,12 @@ def write_config_and_code(folder: Path, config: SambaConfig, dtype: torch.dtype)
     generation.save_pretrained(folder)
 
 
-def write_model_card(folder: Path, source: str, src: str, command: str, parity: str, config: SambaConfig):
+def write_model_card(folder: Path, source: str, src: str, command: str, parity: str, config: SambaConfig,
+                     base_model: str | None = None, license: str = "unknown"):
     params = sum(int(torch.Size(s).numel()) for s in expected_tensors(config).values())
     layers = ", ".join(f"{config.layer_types.count(t)} {t}" for t in dict.fromkeys(config.layer_types))
     text = f"""---
-library_name: transformers
-tags:
-- samba
-- mamba
-- sliding-window-attention
+{hub_metadata(license=license, base_model=base_model, extra_tags=["converted", source])}
 ---
 
 # Samba model converted from {source}

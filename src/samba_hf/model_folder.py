@@ -1,0 +1,96 @@
+"""Opening a samba-hf model folder to run or export it: every tensor comes from the folder's files, or nothing runs.
+
+`from_pretrained` alone initialises missing tensors at random (with a log line) and drops unexpected ones; this
+module checks the folder first and raises one `ModelFolderError` that names the problem and the fix:
+
+    config.json          missing, not a JSON object, another model_type, or values SambaConfig refuses
+    weights              missing, unreadable (truncated, corrupt, empty), or not the tensors config.json implies
+                         (every missing, unexpected and mis-shaped tensor listed, with both shapes)
+    values               NaN or inf in any tensor
+    tokenizer            no tokenizer files (say which are missing and how to add them)
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .configuration_samba import SambaConfig
+from .conversion.checkpoint import Checkpoint, ConversionError, check_layout
+from .conversion.tokenizer import TOKENIZER_FILES
+
+
+class ModelFolderError(ValueError):
+    """A model folder that cannot be used as it is: the message names the problem and the fix."""
+
+
+def read_config(path: str | os.PathLike) -> SambaConfig:
+    path = Path(path)
+    file = path / "config.json"
+    if not file.is_file():
+        raise ModelFolderError(f"{str(path)!r} is not a model folder (no config.json in it)")
+    try:
+        fields = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ModelFolderError(f"cannot read {file} as JSON ({error}); restore it from the model's source")
+    if not isinstance(fields, dict):
+        raise ModelFolderError(f"{file} holds a JSON {type(fields).__name__}, not an object of config fields")
+    model_type = fields.get("model_type")
+    if model_type != "samba":
+        raise ModelFolderError(
+            f"{str(path)!r} holds a {model_type!r} model, not a Samba model; convert it first (samba-hf convert) "
+            "or point --model at a Samba folder"
+        )
+    try:
+        return SambaConfig.from_pretrained(path)
+    except (TypeError, ValueError) as error:
+        raise ModelFolderError(f"{file}: {str(error).strip().splitlines()[0]}") from None
+
+
+def check_weights(path: str | os.PathLike, config: SambaConfig) -> None:
+    """The folder's tensors are exactly those `config` implies, with the same shapes (read from the file headers)."""
+    from .conversion.writer import expected_tensors
+
+    tied_head = config.tie_word_embeddings  # a tied head is not stored; a copy of it may be
+    try:
+        check_layout(
+            Checkpoint(path), expected_tensors(config), "samba-hf",
+            ignored=lambda name: tied_head and name == "lm_head.weight",
+            header=f"the weights in {path} do not match its config.json:",
+            hint="The weights and config.json come from different models, or the files are incomplete.",
+        )
+    except ConversionError as error:
+        raise ModelFolderError(str(error)) from None
+
+
+def check_finite(model: torch.nn.Module, path) -> None:
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ModelFolderError(
+                f"{name} in {path} holds NaN or inf values: the weights are damaged (a diverged or interrupted "
+                "training run?); use another checkpoint"
+            )
+
+
+def check_tokenizer(path: str | os.PathLike) -> None:
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelFolderError(
+            f"{str(path)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); pass --tokenizer with a "
+            "tokenizer folder or Hub name, or add one with tokenizer.save_pretrained(folder)"
+        )
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype | str = "auto"):
+    """`SambaForCausalLM.from_pretrained(path)` after the checks above, and with finite weights."""
+    from .modeling_samba import SambaForCausalLM
+
+    config = read_config(path)
+    check_weights(path, config)
+    try:
+        model = SambaForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    except (OSError, RuntimeError, ValueError) as error:  # the checks above leave only unreadable tensor data
+        raise ModelFolderError(f"cannot load the weights in {path}: {str(error).strip().splitlines()[0]}") from None
+    check_finite(model, path)
+    return model

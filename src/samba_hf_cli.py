@@ -1,0 +1,156 @@
+"""The `samba-hf` command line: argument parsing and the checks that need no model.
+
+    samba-hf generate "prompt" [--model PATH_OR_NAME] [--tokenizer PATH_OR_NAME] [--max-new-tokens N] [--do-sample]
+                               [--temperature T] [--top-k K] [--top-p P] [--seed S]
+                               [--dtype auto|float32|bfloat16|float16] [--device auto|cpu|cuda|cuda:N|mps]
+                               [--prefill-chunk-size N]
+    samba-hf convert {lit-gpt,fla,mamba,mistral,llama} SRC OUT [--config NAME_OR_JSON] [--force-config]
+                     [--tokenizer PATH] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
+                     [--verify | --no-verify] [--push-to-hub REPO] [--force]
+    samba-hf export lit-gpt SRC OUT [--force]
+
+This module imports only the standard library, so `samba-hf --help` and mistakes in the arguments answer at once;
+torch, transformers and the model come in with `samba_hf.cli`, which runs the commands. Every user mistake ends
+with one `samba-hf: error: ...` line and exit status 1; Ctrl-C (130) and SIGTERM (143) stop a command cleanly (a
+conversion removes its partial output).
+"""
+
+import argparse
+import math
+import signal
+import sys
+import threading
+
+
+class UserError(Exception):
+    """A mistake on the command line or in the files it names: printed as one line, exit status 1."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM / SIGHUP, raised where the program is, so it unwinds (and cleans up) as for Ctrl-C."""
+
+
+def check_generate_arguments(args) -> None:
+    """What can be wrong with `generate`'s arguments without loading anything; checked before any output."""
+    if args.model is not None and not args.model.strip():
+        raise UserError("--model is empty; give a model folder or Hub name, or leave --model out for the embedded default")
+    if args.tokenizer is not None and not args.tokenizer.strip():
+        raise UserError("--tokenizer is empty; give a tokenizer folder or Hub name, or leave it out")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as error:
+        byte = ord(args.prompt[error.start]) - 0xDC00  # undecodable bytes arrive as surrogates (PEP 383)
+        where = f"byte 0x{byte:02x}" if 0 <= byte < 256 else "a lone surrogate"
+        raise UserError(f"the prompt is not valid UTF-8 text ({where} at character {error.start}); pass UTF-8 text")
+    if not args.prompt:
+        raise UserError("the prompt is empty; give some text to continue")
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1")
+    if args.prefill_chunk_size is not None and args.prefill_chunk_size < 1:
+        raise UserError("--prefill-chunk-size must be at least 1")
+    sampling = {"--temperature": args.temperature, "--top-k": args.top_k, "--top-p": args.top_p, "--seed": args.seed}
+    given = [flag for flag, value in sampling.items() if value is not None]
+    if given and not args.do_sample:
+        verb = "applies" if len(given) == 1 else "apply"
+        raise UserError(f"{', '.join(given)} only {verb} when sampling: add --do-sample (greedy decoding ignores it)")
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise UserError(f"--temperature must be a finite number above 0, got {args.temperature}")
+    if args.top_p is not None and not (0 < args.top_p <= 1):  # NaN fails too
+        raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k is not None and args.top_k < 0:
+        raise UserError(f"--top-k must be 0 (no limit) or more, got {args.top_k}")
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise UserError(f"--seed must be between 0 and 2**64 - 1, got {args.seed}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="samba-hf", description="Samba language models on transformers.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="continue a prompt, streaming the tokens as they come")
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("--model", default=None, help="a Samba model folder or Hub name (default: the embedded model)")
+    gen.add_argument("--tokenizer", default=None,
+                     help="a tokenizer folder or Hub name (default: the one in the model folder)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    gen.add_argument("--temperature", type=float, default=None, help="with --do-sample (default 1.0)")
+    gen.add_argument("--top-k", type=int, default=None, help="with --do-sample (default 50; 0 = no limit)")
+    gen.add_argument("--top-p", type=float, default=None, help="with --do-sample (default 1.0)")
+    gen.add_argument("--seed", type=int, default=None, help="with --do-sample: same seed, same tokens")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="auto: float32 on CPU, bfloat16 on CUDA")
+    gen.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
+    gen.add_argument("--prefill-chunk-size", type=int, default=8192,
+                     help="prompts longer than this are read in chunks of this many tokens (bounded memory)")
+    gen.set_defaults(command_name="generate", check=check_generate_arguments)
+
+    conv = commands.add_parser("convert", help="turn a checkpoint of another implementation into a samba-hf folder")
+    conv.add_argument("source", choices=["lit-gpt", "fla", "mamba", "mistral", "llama"],
+                      help="lit-gpt: the official microsoft/Samba code; fla: flash-linear-attention; mamba/mistral/"
+                           "llama: transformers' folders")
+    conv.add_argument("src", help="the checkpoint: a .pth file (lit-gpt) or a model folder")
+    conv.add_argument("out", help="the folder to write (must not exist or be empty, unless --force)")
+    conv.add_argument("--config", default=None,
+                      help="lit-gpt: an official config name (default: the model_name a training checkpoint records) "
+                           "or a SambaConfig JSON; other sources: optional, read from the source's config.json")
+    conv.add_argument("--force-config", action="store_true",
+                      help="lit-gpt: use --config even where it contradicts the model_name the checkpoint records")
+    conv.add_argument("--tokenizer", default=None,
+                      help="a SentencePiece tokenizer.model or a tokenizer folder (default: the source folder's)")
+    conv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                      help="dtype of the written weights (default: the source's); Mamba A_log and D stay float32")
+    conv.add_argument("--max-shard-size", default="5GB")
+    conv.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                      help="compare logits with a reference forward of the source (default: on up to 1B parameters)")
+    conv.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload the folder to this Hub repo")
+    conv.add_argument("--force", action="store_true",
+                      help="replace OUT when it is an earlier samba-hf output (never a folder holding other files)")
+    conv.set_defaults(command_name="convert", check=None)
+
+    exp = commands.add_parser("export", help="write a samba-hf folder back in another implementation's format")
+    exp.add_argument("target", choices=["lit-gpt"], help="lit-gpt: the official microsoft/Samba state dict")
+    exp.add_argument("src", help="a samba-hf model folder")
+    exp.add_argument("out", help="the .pth file to write ({'model': state_dict}, as the official eval.py loads)")
+    exp.add_argument("--force", action="store_true", help="replace OUT when it is an earlier export")
+    exp.set_defaults(command_name="export", check=None)
+    return parser
+
+
+def _terminate(signum, frame):
+    raise Terminated(signal.Signals(signum).name)
+
+
+def one_line(message: str) -> str:
+    return " ".join(line.strip() for line in str(message).strip().splitlines())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signals can only be caught there
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)} if in_main_thread else {}
+    try:
+        if args.check is not None:
+            args.check(args)
+        from samba_hf import cli  # torch, transformers and the model: only now
+
+        return cli.COMMANDS[args.command_name](args)
+    except UserError as error:
+        print(f"samba-hf: error: {one_line(error)}", file=sys.stderr)
+        return 1
+    except OSError as error:  # the file system said no: permissions, a full disk, a path that is not there
+        print(f"samba-hf: error: {one_line(error)}", file=sys.stderr)
+        return 1
+    except Terminated as signal_name:
+        print(f"\nsamba-hf: stopped by {signal_name}", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:
+        print("\nsamba-hf: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
