@@ -1,0 +1,179 @@
+"""`samba-hf generate` with mistaken inputs: one `samba-hf: error:` line, exit status 1, nothing on stdout, and never a
+model run with weights that did not come from its files."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from samba_hf.cli import default_model_path, main
+
+
+def refused(capsys, argv, *fragments):
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert err and err[-1].startswith("samba-hf: error: "), err
+    assert len([line for line in err if line.startswith("samba-hf: error:")]) == 1 and "Traceback" not in captured.err
+    assert captured.out == "", "nothing is printed before the error"
+    for fragment in fragments:
+        assert fragment in err[-1], err[-1]
+    return err[-1]
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """A copy of the embedded default model, to damage."""
+    copy = tmp_path / "model"
+    shutil.copytree(default_model_path(), copy)
+    return copy
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def edit_weights(folder, change):
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def generate(folder, *extra):
+    return ["generate", "The assert statement", "--model", str(folder), "--max-new-tokens", "2", *extra]
+
+
+def test_the_copy_runs(capsys, folder):
+    assert main(generate(folder)) == 0
+
+
+# ---------------------------------------------------------------- weights that are not what config.json says
+
+
+def test_nan_weights(capsys, folder):
+    edit_weights(folder, lambda t: t["model.layers.2.mamba.out_proj.weight"].view(-1)[7:9].fill_(float("nan")))
+    refused(capsys, generate(folder), "model.layers.2.mamba.out_proj.weight", "NaN or inf")
+
+
+def test_a_missing_tensor_is_not_initialised_at_random(capsys, folder):
+    edit_weights(folder, lambda t: t.pop("model.layers.1.self_attn.q_proj.weight"))
+    refused(capsys, generate(folder), "missing (1): model.layers.1.self_attn.q_proj.weight")
+
+
+def test_weights_of_another_shape_name_the_tensor_and_both_shapes(capsys, folder):
+    edit_config(folder, intermediate_size=512)
+    refused(capsys, generate(folder), "do not match its config.json",
+            "model.layers.0.mlp.gate_proj.weight: checkpoint [640, 256], config expects [512, 256]")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "empty", "gone"])
+def test_unreadable_weights(capsys, folder, damage):
+    file = folder / "model.safetensors"
+    data = file.read_bytes()
+    if damage == "gone":
+        file.unlink()
+    else:
+        file.write_bytes({"truncated": data[: len(data) // 2], "corrupt": b"\x07" * 64, "empty": b""}[damage])
+    refused(capsys, generate(folder), "model.safetensors" if damage != "gone" else "holds no *.safetensors")
+
+
+# ---------------------------------------------------------------- config.json
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ("{\"model_type\": \"samba\",", "cannot read"),
+    ("[1, 2, 3]", "not an object"),
+    ("", "cannot read"),
+])
+def test_config_json_that_is_not_a_json_object(capsys, folder, content, fragment):
+    (folder / "config.json").write_text(content)
+    refused(capsys, generate(folder), "config.json", fragment)
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"hidden_size": -256}, "`hidden_size`"),
+    ({"num_hidden_layers": "6"}, "`num_hidden_layers`"),
+    ({"layer_types": ["linear_attention"] * 5}, "`layer_types` has 5 entries"),
+    ({"hidden_act": "swishy"}, "`hidden_act`"),
+    ({"rms_norm_eps": -1e-5}, "`rms_norm_eps`"),
+    ({"vocab_size": 0}, "`vocab_size`"),
+])
+def test_config_json_with_invalid_values(capsys, folder, changes, fragment):
+    edit_config(folder, **changes)
+    refused(capsys, generate(folder), "config.json", fragment)
+
+
+def test_another_model_type(capsys, folder):
+    edit_config(folder, model_type="llama")
+    refused(capsys, generate(folder), "'llama' model, not a Samba model", "samba-hf convert")
+
+
+# ---------------------------------------------------------------- the tokenizer
+
+
+def test_a_folder_without_tokenizer_files_says_which_and_how(capsys, folder, tmp_path):
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.move(folder / name, tokenizer / name)
+    refused(capsys, generate(folder), "no tokenizer files", "tokenizer.json", "--tokenizer")
+    assert main(generate(folder, "--tokenizer", str(tokenizer))) == 0
+
+
+def test_a_tokenizer_larger_than_the_vocabulary(capsys, folder):
+    edit_config(folder, vocab_size=1000)
+    edit_weights(folder, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"][:1000]}))
+    refused(capsys, generate(folder), "the tokenizer has 4096 tokens but the model's vocabulary has 1000")
+
+
+# ---------------------------------------------------------------- arguments, checked before anything is loaded
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--do-sample", "--temperature", "0"], "--temperature must be a finite number above 0"),
+    (["--do-sample", "--temperature", "-1"], "--temperature must be"),
+    (["--do-sample", "--temperature", "nan"], "--temperature must be"),
+    (["--do-sample", "--temperature", "inf"], "--temperature must be"),
+    (["--do-sample", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--do-sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--do-sample", "--top-p", "nan"], "--top-p must be in (0, 1]"),
+    (["--do-sample", "--top-k", "-1"], "--top-k must be 0 (no limit) or more"),
+    (["--do-sample", "--seed", str(2**64)], "--seed must be between 0 and 2**64 - 1"),
+    (["--do-sample", "--seed", "-3"], "--seed must be between"),
+    (["--temperature", "0.7"], "--temperature only applies when sampling: add --do-sample"),
+    (["--top-k", "5", "--seed", "1"], "--top-k, --seed only apply when sampling"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--prefill-chunk-size", "0"], "--prefill-chunk-size must be at least 1"),
+    (["--model", ""], "--model is empty"),
+    (["--model", "  "], "--model is empty"),
+    (["--tokenizer", ""], "--tokenizer is empty"),
+])
+def test_flags_transformers_would_reject_or_ignore(capsys, flags, fragment):
+    refused(capsys, ["generate", "The assert statement", *flags], fragment)
+
+
+def test_a_file_given_as_the_model(capsys, folder):
+    refused(capsys, generate(folder / "config.json"), "is a file; --model takes a model folder")
+
+
+def test_a_prompt_that_is_not_utf8():
+    result = subprocess.run([sys.executable, "-m", "samba_hf_cli", "generate", b"caf\xe9 \xff"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip() == ("samba-hf: error: the prompt is not valid UTF-8 text (byte 0xe9 at character 3); "
+                                     "pass UTF-8 text")
+
+
+def test_help_and_argument_errors_load_neither_torch_nor_transformers():
+    code = ("import sys\nfrom samba_hf_cli import main\n"
+            "for argv in (['--help'], ['generate', '--help'], ['convert', 'nope'], ['generate', 'x', '--top-p', '2']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stderr
