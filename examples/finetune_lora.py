@@ -1,6 +1,6 @@
 """LoRA fine-tune of the embedded default model on a small new domain, with before/after numbers.
 
-    python examples/finetune_lora.py            # a few minutes on 2 CPU cores
+    python examples/finetune_lora.py            # a few minutes on 2 CPU cores; saves the adapter in out/finetune-lora
 
 The task: the Python license text (LICENSE.txt of the standard library), a kind of English the default model never
 saw (it was trained on documentation topics and docstrings). The first 80% is the training set, the rest is held
@@ -44,7 +44,7 @@ def main():
     parser.add_argument("--model", default=default_model_path())
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--out", default="finetune-lora-out")
+    parser.add_argument("--out", default="out/finetune-lora", help="where the adapter goes (default: git-ignored)")
     args = parser.parse_args()
     torch.manual_seed(0)
 

@@ -1,7 +1,18 @@
 """Train the small Samba that ships as the embedded default, from scratch, on CPU, with `transformers.Trainer`.
 
-    python examples/train_tiny.py                       # ~18 min on 2 CPU cores; writes src/samba_hf/default_model
+    python examples/train_tiny.py                       # ~18 min on 2 CPU cores; writes out/train_tiny
     python examples/train_tiny.py --max-steps 20 --out /tmp/try   # a quick look
+
+The embedded default model that ships with samba-hf was built, and is rebuilt, from the repository root with
+
+    python examples/train_tiny.py --out src/samba_hf/default_model
+
+(only that explicit --out writes into the package; the default, out/train_tiny, is git-ignored). The command, as
+given, is recorded in the folder's training_report.json. The shipped folder's code files link to the package's own
+modules. `--repackage FOLDER` rewrites a trained folder the way this script packages one (same weights), after a
+change of the packaging:
+
+    python examples/train_tiny.py --repackage src/samba_hf/default_model --out src/samba_hf/default_model
 
 Data: English text every Python installation carries: the documentation topics of `pydoc_data` plus the docstrings
 of a fixed list of standard-library modules. Documents are shuffled with a fixed seed; 5% are held out for the
@@ -15,16 +26,20 @@ import importlib
 import json
 import math
 import random
+import shlex
+import sys
 import time
 from pathlib import Path
 
 import torch
 from pydoc_data.topics import topics
-from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments
 
 from samba_hf import SambaConfig, SambaForCausalLM
+from samba_hf.cli import default_model_path
+from samba_hf.configuration_samba import UNLIMITED_POSITIONS
+from samba_hf.modeling_samba import hub_metadata
 
 DOCSTRING_MODULES = [
     "abc", "argparse", "array", "ast", "asyncio", "base64", "bisect", "bz2", "calendar", "cmd", "codecs",
@@ -93,13 +108,19 @@ def stream(tokenizer, docs) -> list[int]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "src/samba_hf/default_model"))
+    parser.add_argument("--out", default="out/train_tiny",
+                        help="folder to write (default: out/train_tiny, git-ignored); the shipped model: "
+                             "--out src/samba_hf/default_model")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--repackage", metavar="FOLDER", default=None,
+                        help="no training: rewrite the trained FOLDER into --out as this script packages a model")
     args = parser.parse_args()
+    if args.repackage:
+        return repackage(args.repackage, args.out)
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
@@ -114,7 +135,7 @@ def main():
     config = SambaConfig(
         vocab_size=len(tokenizer), hidden_size=256, intermediate_size=640, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=256,
-        max_position_embeddings=args.block, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3,  # no max_position_embeddings: Samba has no length limit
     )
     model = SambaForCausalLM(config)
     print(f"model: {model.num_parameters():,} parameters, layers {config.layer_types}")
@@ -142,28 +163,74 @@ def main():
     print(f"trained in {minutes:.1f} min; held-out perplexity {perplexity:.2f} on {len(held) * args.block:,} tokens")
     print(f"greedy sample: {sample!r}")
 
-    model.generation_config.max_length = None
-    model.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
-    # The package provides the classes: the embedded default carries no copy of the modeling code (it would go stale).
-    for code in Path(args.out).glob("*.py"):
-        code.unlink()
-    # Stored in bfloat16 (A_log and D stay float32): half the size, the same held-out perplexity to 0.01.
-    weights_file = Path(args.out, "model.safetensors")
-    weights = load_file(weights_file)
-    save_file({k: v if k.endswith((".A_log", ".D")) else v.to(torch.bfloat16) for k, v in weights.items()},
-              weights_file, metadata={"format": "pt"})
-    config_file = Path(args.out, "config.json")
-    saved = json.loads(config_file.read_text())
-    saved.pop("auto_map", None)
-    config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     report = {"train_minutes": round(minutes, 1), "held_out_perplexity": round(perplexity, 2),
               "held_out_tokens": len(held) * args.block, "training_tokens": len(train_ids),
               "steps": args.max_steps, "parameters": model.num_parameters(), "sample_prompt": prompt,
               "greedy_sample": sample, "stored": "bfloat16 (A_log, D float32)",
-              "command": "python examples/train_tiny.py"}
-    Path(args.out, "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+              "command": shlex.join(["python", "examples/train_tiny.py", *sys.argv[1:]])}
+    package(model, tokenizer, report, args.out)
 
+
+def package(model, tokenizer, report: dict, out: str):
+    """Write the folder as save_pretrained does (weights, config with auto_map, the modeling code, so tools that do
+    not import samba_hf load it with trust_remote_code), stored in bfloat16 (A_log and D stay float32: half the
+    size, the same held-out perplexity to 0.01), with its tokenizer, training report and model card."""
+    model.config.use_cache = True  # Trainer turns it off while training
+    model.config.max_position_embeddings = UNLIMITED_POSITIONS  # trained on 256-token blocks, but no length limit
+    model.generation_config.max_length = None
+    keep = {name: param.data.float() for name, param in model.named_parameters() if name.endswith((".A_log", ".D"))}
+    model.to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        if name in keep:
+            param.data = keep[name]
+    code = [Path(out, name) for name in ("configuration_samba.py", "modeling_samba.py", "ssm_samba.py")]
+    for link in code:
+        if link.is_symlink():  # a link written below by an earlier run: save_pretrained copies the code anew
+            link.unlink()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    Path(out, "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    Path(out, "README.md").write_text(CARD.format(metadata=hub_metadata(license="apache-2.0"), **report))
+    if Path(out).resolve() == Path(default_model_path()).resolve():
+        # the shipped folder links the package's own code instead of copies that would go stale
+        for link in code:
+            link.unlink()
+            link.symlink_to(Path("..", link.name))
+
+
+CARD = """---
+{metadata}
+---
+
+# samba-hf's embedded default model
+
+A {parameters:,}-parameter Samba (Mamba + sliding-window attention, 6 layers, hidden size 256, a 4,096-token
+byte-level BPE) trained from scratch in {train_minutes} minutes on 2 CPU cores with `{command}` (samba-hf), on the
+English text that ships with Python: the documentation topics of `pydoc_data` and standard-library docstrings.
+Held-out perplexity {held_out_perplexity} on {held_out_tokens:,} tokens. It is a demo that writes
+documentation-flavoured English, not a useful model.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)  # or `import samba_hf` first
+tokenizer = AutoTokenizer.from_pretrained("PATH")
+```
+
+Greedy from "{sample_prompt}": {greedy_sample!r}
+"""
+
+
+def repackage(folder: str, out: str):
+    """Rewrite an already trained folder as `package` writes it (the same weights; for a new packaging only)."""
+    from transformers import AutoTokenizer
+
+    model = SambaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    files = {name: Path(folder, name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json")}
+    report = json.loads(Path(folder, "training_report.json").read_text())
+    package(model, tokenizer, report, out)
+    for name, data in files.items():  # the tokenizer files as they were (a reload adds loading options to them)
+        Path(out, name).write_bytes(data)
 
 if __name__ == "__main__":
     main()

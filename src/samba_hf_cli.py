@@ -63,8 +63,16 @@ def check_generate_arguments(args) -> None:
         raise UserError(f"--seed must be between 0 and 2**64 - 1, got {args.seed}")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors in the form of every other: one `samba-hf: error:` line, exit status 1."""
+
+    def error(self, message):
+        print(f"samba-hf: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(1)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="samba-hf", description="Samba language models on transformers.")
+    parser = Parser(prog="samba-hf", description="Samba language models on transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="continue a prompt, streaming the tokens as they come")
     gen.add_argument("prompt", help="the text to continue")

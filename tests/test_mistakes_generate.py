@@ -177,3 +177,19 @@ def test_help_and_argument_errors_load_neither_torch_nor_transformers():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stderr
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    ([], "the following arguments are required: command"),
+    (["generate"], "the following arguments are required: prompt"),
+    (["generate", "x", "--max-new-tokens", "many"], "invalid int value: 'many'"),
+    (["generate", "x", "--dtype", "float8"], "invalid choice: 'float8'"),
+    (["convert", "safetensors", "a", "b"], "invalid choice: 'safetensors'"),
+    (["export", "lit-gpt", "a"], "the following arguments are required: out"),
+])
+def test_argument_errors_are_one_line_too(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("samba-hf: error: ") and fragment in err[0], err

@@ -17,34 +17,60 @@ This file is also the remote code of a saved model: it imports only torch/transf
 import math
 
 from transformers import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 LAYER_TYPES = ("linear_attention", "sliding_attention", "full_attention")
+
+# The type each scalar field must have (checked first, so a string from a hand-edited config.json or a float where a
+# size is needed fails with the field's name instead of a TypeError further on). A bool is no int; an int is a float.
+INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size")
+OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "sliding_window", "pad_token_id", "bos_token_id",
+                       "max_position_embeddings")
+
+# `max_position_embeddings` of a layout without full-attention layers, whose length nothing limits: large enough
+# that generate does not warn and evaluation tools (lm-eval reads this field) do not cut inputs short.
+UNLIMITED_POSITIONS = 2**20
+FLOAT_FIELDS = ("initializer_range", "rms_norm_eps", "attention_dropout", "mamba_dt_min", "mamba_dt_max",
+                "mamba_dt_init_floor", "mamba_dt_scale")
+BOOL_FIELDS = ("use_cache", "tie_word_embeddings", "use_rope", "attention_bias", "mamba_conv_bias", "mamba_proj_bias")
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def fail(message: str):
+    raise ValueError(f"SambaConfig: {message}")
 
 # Exact shapes of the official checkpoints (microsoft/Samba lit_gpt/config.py: Samba_421M, Samba_1.3B) and of the
 # larger models of the paper (Table 12, which counts a mixer and an MLP as two "layers": 1.7B = 24 of our layers).
 PRESETS = {
     "samba-421m": dict(
         vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
-        num_attention_heads=12, num_key_value_heads=12, head_dim=128, max_position_embeddings=4096,
+        num_attention_heads=12, num_key_value_heads=12, head_dim=128,
     ),
     "samba-1.3b": dict(
         vocab_size=32000, hidden_size=2304, intermediate_size=6144, num_hidden_layers=18,
-        num_attention_heads=18, num_key_value_heads=18, head_dim=128, max_position_embeddings=4096,
+        num_attention_heads=18, num_key_value_heads=18, head_dim=128,
     ),
     "samba-1.7b": dict(
         vocab_size=50304, hidden_size=2048, intermediate_size=8196, num_hidden_layers=24,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=64,
     ),
     "samba-3.8b": dict(
         vocab_size=32064, hidden_size=2816, intermediate_size=9984, num_hidden_layers=32,
-        num_attention_heads=11, num_key_value_heads=1, head_dim=256, max_position_embeddings=4096,
+        num_attention_heads=11, num_key_value_heads=1, head_dim=256,
     ),
     # A few hundred thousand parameters: for tests and demos, not for quality.
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
-        max_position_embeddings=1024,
     ),
 }
 
@@ -62,8 +88,11 @@ class SambaConfig(PreTrainedConfig):
         num_key_value_heads (`int`, defaults to 12): key/value heads (GQA when fewer than the query heads).
         head_dim (`int`, *optional*, defaults to 128): size of one head; `None` means `hidden_size // num_attention_heads`.
         hidden_act (`str`, defaults to `"silu"`): activation of the MLP gate and of the Mamba mixer.
-        max_position_embeddings (`int`, defaults to 4096): the training length. Samba needs no limit (SWA + RoPE
-            extrapolate); it only feeds RoPE scaling types that need an original length.
+        max_position_embeddings (`int`, *optional*): the longest input the model takes. `None` (the default) means
+            2**20 (`UNLIMITED_POSITIONS`) for layouts without full-attention layers, which no length limits (sliding
+            windows and Mamba states extrapolate; the value only tells generate and evaluation tools not to cut
+            inputs short), and 4096 for layouts with full-attention layers. RoPE scaling types that need an original
+            length read it too.
         initializer_range (`float`, defaults to 0.02): std of the embedding init.
         rms_norm_eps (`float`, defaults to 1e-5): epsilon of every RMSNorm.
         use_cache (`bool`, defaults to `True`): return a cache from forward.
@@ -126,7 +155,7 @@ class SambaConfig(PreTrainedConfig):
     num_key_value_heads: int | None = 12
     head_dim: int | None = 128
     hidden_act: str = "silu"
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int | None = None
     initializer_range: float = 0.02
     rms_norm_eps: float = 1e-5
     use_cache: bool = True
@@ -153,6 +182,7 @@ class SambaConfig(PreTrainedConfig):
     inference_chunk_size: int = 4096
 
     def __post_init__(self, **kwargs):
+        self._check_field_types()
         if self.head_dim is None:
             if self.num_attention_heads < 1 or self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -168,21 +198,53 @@ class SambaConfig(PreTrainedConfig):
             ]
         if self.mamba_dt_rank == "auto":
             self.mamba_dt_rank = math.ceil(self.hidden_size / 16)
+        if self.max_position_embeddings is None and isinstance(self.layer_types, (list, tuple)):
+            self.max_position_embeddings = 4096 if "full_attention" in self.layer_types else UNLIMITED_POSITIONS
         self._check_samba_fields()
         super().__post_init__(**kwargs)
+        self._check_rope_parameters()  # once transformers has filled in the defaults
 
     @property
     def mamba_d_inner(self) -> int:
         return self.mamba_expand * self.hidden_size
 
+    def _check_field_types(self):
+        """Raise a ValueError that names the field for a value of the wrong type, before anything compares,
+        divides or looks it up."""
+        for names, expected, accepts in (
+            (INT_FIELDS, "an int", is_int),
+            (OPTIONAL_INT_FIELDS, "an int or None", lambda value: value is None or is_int(value)),
+            (FLOAT_FIELDS, "a finite number", is_finite_number),
+            (BOOL_FIELDS, "true or false (a bool)", lambda value: isinstance(value, bool)),
+        ):
+            for name in names:
+                value = getattr(self, name)
+                if not accepts(value):
+                    fail(
+                        f"`{name}` must be {expected}, got {value!r} ({type(value).__name__}); set it to such a "
+                        f"value (default: {self.__dataclass_fields__[name].default!r})."
+                    )
+        eos = self.eos_token_id
+        if not (eos is None or is_int(eos) or (isinstance(eos, list) and all(is_int(token) for token in eos))):
+            fail(f"`eos_token_id` must be an int, a list of ints or None, got {eos!r}.")
+        if not (is_int(self.mamba_dt_rank) or self.mamba_dt_rank == "auto"):
+            fail(f"`mamba_dt_rank` must be a positive int or \"auto\" (ceil(hidden_size / 16)), got "
+                 f"{self.mamba_dt_rank!r}.")
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
+            fail(f"`hidden_act` must name an activation of transformers' ACT2FN, such as \"silu\" (Samba's), got "
+                 f"{self.hidden_act!r}; known: {sorted(ACT2FN)}.")
+        if self.rope_parameters is not None and not isinstance(self.rope_parameters, dict):
+            fail(f"`rope_parameters` must be a dict such as {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}} "
+                 f"or None, got {self.rope_parameters!r}.")
+        if self.layer_types is not None and not (
+            isinstance(self.layer_types, (list, tuple)) and all(isinstance(t, str) for t in self.layer_types)
+        ):
+            fail(f"`layer_types` must be a list of strings from {list(LAYER_TYPES)}, got {self.layer_types!r}.")
+
     def _check_samba_fields(self):
         """Raise a ValueError that names the field and the fix for every combination the model cannot build."""
-
-        def fail(message):
-            raise ValueError(f"SambaConfig: {message}")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "mamba_d_state", "mamba_d_conv",
-                     "mamba_expand", "mamba_dt_rank"):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "mamba_d_state",
+                     "mamba_d_conv", "mamba_expand", "mamba_dt_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 fail(f"`{name}` must be a positive integer, got {value!r}.")
@@ -222,6 +284,24 @@ class SambaConfig(PreTrainedConfig):
             fail(f"`inference_chunk_size` must be an integer >= 0 (0 turns chunking off), got {self.inference_chunk_size!r}.")
         if not 0 < self.mamba_dt_min <= self.mamba_dt_max:
             fail(f"need 0 < `mamba_dt_min` ({self.mamba_dt_min}) <= `mamba_dt_max` ({self.mamba_dt_max}).")
+        if self.rms_norm_eps <= 0:
+            fail(f"`rms_norm_eps` must be > 0 (Samba uses 1e-5), got {self.rms_norm_eps}.")
+        if not 0 <= self.attention_dropout < 1:
+            fail(f"`attention_dropout` must be in [0, 1) (0.0 turns it off), got {self.attention_dropout}.")
+        if self.initializer_range < 0:
+            fail(f"`initializer_range` is a standard deviation: it must be >= 0 (default 0.02), got "
+                 f"{self.initializer_range}.")
+
+    def _check_rope_parameters(self):
+        rope_type = self.rope_parameters.get("rope_type")
+        if rope_type not in ("default", *ROPE_INIT_FUNCTIONS):
+            fail(
+                f"`rope_parameters[\"rope_type\"]` must be \"default\" or one of {sorted(ROPE_INIT_FUNCTIONS)} "
+                f"(transformers' RoPE types), got {rope_type!r}."
+            )
+        theta = self.rope_parameters.get("rope_theta")
+        if not is_finite_number(theta) or theta <= 0:
+            fail(f"`rope_parameters[\"rope_theta\"]` must be a positive number (Samba uses 10000.0), got {theta!r}.")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SambaConfig":

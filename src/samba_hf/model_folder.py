@@ -39,8 +39,8 @@ def read_config(path: str | os.PathLike) -> SambaConfig:
     model_type = fields.get("model_type")
     if model_type != "samba":
         raise ModelFolderError(
-            f"{str(path)!r} holds a {model_type!r} model, not a Samba model; convert it first (samba-hf convert) "
-            "or point --model at a Samba folder"
+            f"{str(path)!r} holds a {model_type!r} model, not a Samba model; convert it into one first "
+            "(samba-hf convert mamba | mistral | llama | fla | lit-gpt)"
         )
     try:
         return SambaConfig.from_pretrained(path)
@@ -58,7 +58,7 @@ def check_weights(path: str | os.PathLike, config: SambaConfig) -> None:
             Checkpoint(path), expected_tensors(config), "samba-hf",
             ignored=lambda name: tied_head and name == "lm_head.weight",
             header=f"the weights in {path} do not match its config.json:",
-            hint="The weights and config.json come from different models, or the files are incomplete.",
+            likely_cause="the weights and config.json come from different models, or the files are incomplete.",
         )
     except ConversionError as error:
         raise ModelFolderError(str(error)) from None

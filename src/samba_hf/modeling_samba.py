@@ -20,7 +20,7 @@ from torch import nn
 
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
     create_causal_mask,
@@ -48,6 +48,27 @@ MASK_BUILDERS = {
     "sliding_attention": create_sliding_window_causal_mask,
     "full_attention": create_causal_mask,
 }
+
+
+def cache_layer_kind(layer) -> str:
+    """The kind of layer a cache layer was built for, named as in `config.layer_types`."""
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        return "linear_attention"
+    if isinstance(layer, CacheLayerMixin):
+        return "sliding_attention" if getattr(layer, "is_sliding", False) else "full_attention"
+    return type(layer).__name__
+
+
+def cache_layer_shape(layer) -> tuple[int, tuple] | None:
+    """(batch, widths) of what a cache layer holds, None while it holds nothing: widths are (d_inner, d_state,
+    conv kernel) for a Mamba layer, (kv heads, head_dim) for an attention layer. Reads shapes only."""
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        ssm = layer.recurrent_states.get(0)
+        return None if ssm is None else (ssm.shape[0], (*ssm.shape[1:], layer.conv_kernel_size.get(0)))
+    keys = getattr(layer, "keys", None)
+    if not isinstance(keys, torch.Tensor) or keys.ndim != 4:
+        return None
+    return keys.shape[0], (keys.shape[1], keys.shape[3])
 
 
 class SambaRMSNorm(nn.Module):
@@ -429,6 +450,10 @@ class SambaDecoderLayer(GradientCheckpointingLayer):
         return hidden_states
 
 
+# The auto_map entry for AutoModel that a saved folder carries beside AutoConfig / AutoModelForCausalLM.
+AUTO_MODEL = {"AutoModel": "modeling_samba.SambaModel"}
+
+
 class SambaPreTrainedModel(PreTrainedModel):
     config: SambaConfig
     config_class = SambaConfig
@@ -443,6 +468,19 @@ class SambaPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _is_stateful = True
     _can_record_outputs = {"hidden_states": SambaDecoderLayer, "attentions": SambaAttention}
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained, plus what tools that never import samba_hf need: an `auto_map` entry for
+        `AutoModel` too (transformers writes only the saved class's), and a model card with Hub metadata when the
+        folder has no README.md (one that is there is never replaced)."""
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MODEL}
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            try:
+                with open(f"{save_directory}/README.md", "x") as card:  # "x": only where there is none
+                    card.write(model_card(self.config, "Samba model", "Saved with samba-hf's `save_pretrained`."))
+            except FileExistsError:
+                pass
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -506,6 +544,8 @@ class SambaModel(SambaPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if not torch.compiler.is_compiling():  # the checks read tensor values on the host: they would break graphs
+            self._check_inputs(input_ids, inputs_embeds, attention_mask, past_key_values)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         documents = self._packed_documents(position_ids, attention_mask, past_key_values, inputs_embeds.shape[0])
@@ -539,6 +579,114 @@ class SambaModel(SambaPreTrainedModel):
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
         )
+
+    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_key_values):
+        """Raise a ValueError that names the problem and the fix for inputs that would otherwise fail deep in torch
+        or silently change the result. Cheap: shapes, and one look at the ids and at a 2D mask (small tensors)."""
+        if input_ids is not None:
+            if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+                raise ValueError(
+                    f"input_ids must have shape (batch, seq) with seq >= 1, got {tuple(input_ids.shape)}: pass at "
+                    "least one token, and add the batch dimension to a single sequence (`input_ids[None]`)."
+                )
+            if input_ids.dtype not in (torch.long, torch.int):
+                raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}: use `.long()`.")
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(
+                    f"input_ids holds ids from {low} to {high}, but the vocabulary has {self.config.vocab_size} "
+                    f"entries (ids 0..{self.config.vocab_size - 1}): the tokenizer does not match this model, or "
+                    "padding/label values (-100) were passed as ids; resize the embeddings if tokens were added."
+                )
+        elif inputs_embeds.ndim != 3 or inputs_embeds.shape[1] == 0:
+            raise ValueError(
+                f"inputs_embeds must have shape (batch, seq, hidden_size) with seq >= 1, got "
+                f"{tuple(inputs_embeds.shape)}."
+            )
+        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if past_key_values is not None:
+            self._check_cache(past_key_values, batch)
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 4:  # 4D masks are taken as they are
+            self._check_attention_mask(attention_mask, batch, length, past_key_values)
+
+    def _check_cache(self, cache, batch: int):
+        """`past_key_values` must have been built for this model (same layers, same kinds, same widths) and batch.
+        Reads the layers' classes and their tensors' shapes only."""
+        config = self.config
+        fix = "pass `DynamicCache(config=model.config)` (or no cache), one per model and batch"
+        if not isinstance(cache, Cache):
+            raise ValueError(f"past_key_values must be a transformers Cache, got {type(cache).__name__}: {fix}.")
+        if cache.layer_class_to_replicate is not None and "linear_attention" in config.layer_types:
+            raise ValueError(
+                "past_key_values was built without a config (e.g. `DynamicCache()`), so it has no conv and SSM states "
+                f"for the Mamba layers: {fix}."
+            )
+        layers, n = cache.layers, config.num_hidden_layers
+        if len(layers) > n or (cache.layer_class_to_replicate is None and len(layers) != n):
+            raise ValueError(f"past_key_values has {len(layers)} layers but this model has {n}: {fix}.")
+        kinds = [cache_layer_kind(layer) for layer in layers]
+        # a full-attention cache keeps all a sliding layer needs (a `DynamicCache()` of an attention-only model)
+        if any(k != t and (k, t) != ("full_attention", "sliding_attention") for k, t in zip(kinds, config.layer_types)):
+            raise ValueError(
+                f"past_key_values was built for another layout: its layers are {kinds}, this model's are "
+                f"{config.layer_types}: {fix}."
+            )
+        for i, (kind, layer) in enumerate(zip(kinds, layers)):
+            window = getattr(layer, "sliding_window", None)
+            if kind == "sliding_attention" and isinstance(window, int) and window < config.sliding_window:
+                raise ValueError(
+                    f"past_key_values keeps a sliding window of {window} tokens at layer {i}, this model needs "
+                    f"{config.sliding_window}: {fix}."
+                )
+            if (shape := cache_layer_shape(layer)) is None:
+                continue
+            widths = (
+                (config.mamba_d_inner, config.mamba_d_state, config.mamba_d_conv)
+                if kind == "linear_attention"
+                else (config.num_key_value_heads, config.head_dim)
+            )
+            if shape[0] != batch:
+                raise ValueError(
+                    f"past_key_values holds a batch of {shape[0]} sequences but the input has {batch}: a cache "
+                    "continues the batch it was filled with; start a new `DynamicCache(config=model.config)` for a "
+                    "new batch (generate reorders it for beams itself)."
+                )
+            if shape[1] != widths:
+                raise ValueError(
+                    f"past_key_values was built for another config: layer {i} ({kind}) holds states of widths "
+                    f"{shape[1]}, this model's are {widths}: {fix}."
+                )
+
+    def _check_attention_mask(self, mask: torch.Tensor, batch: int, length: int, past_key_values):
+        """A 2D mask has one row per sequence and one column per token, the cached ones included (as generate
+        builds it), and holds 1 for tokens, 0 for padding (or True/False)."""
+        past = self._past_length(past_key_values)
+        if mask.ndim != 2 or mask.shape[0] != batch or (
+            mask.shape[1] < length if past is None else mask.shape[1] != past + length
+        ):
+            expected = f"({batch}, >= {length})" if past is None else f"({batch}, {past + length})"
+            cached = "" if past == 0 else f", the {'' if past is None else f'{past} '}cached ones included"
+            raise ValueError(
+                f"attention_mask has shape {tuple(mask.shape)}, expected {expected}: one row per sequence and one "
+                f"column per token{cached} (1 for tokens, 0 for padding); or pass a 4D mask."
+            )
+        if mask.dtype != torch.bool and bool((other := (mask != 0) & (mask != 1)).any()):
+            raise ValueError(
+                f"attention_mask must hold only 1 (token) and 0 (padding), or be a bool mask; it holds "
+                f"{mask[other][0].item()}: convert it with `(attention_mask > 0).long()` if it marks tokens with "
+                "other values."
+            )
+
+    def _past_length(self, past_key_values: Cache | None) -> int | None:
+        """The tokens a 2D mask must cover before the new ones, or None where the cache cannot say cheaply (Mamba
+        layers only, or a static cache, whose masks generate makes itself)."""
+        if past_key_values is None:
+            return 0
+        if type(past_key_values) is not DynamicCache:
+            return None
+        if self._has_attention_cache(past_key_values):
+            return past_key_values.get_seq_length()
+        return None if past_key_values.has_previous_state() else 0
 
     def _run_layers(
         self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=None
@@ -744,6 +892,33 @@ def hub_metadata(license: str = "unknown", base_model: str | None = None, extra_
         library_name="transformers", license=license, tags=list(dict.fromkeys(tags)), pipeline_tag="text-generation",
         base_model=base_model,
     ).to_yaml()
+
+
+def model_card(config: SambaConfig, title: str, details: str, **metadata) -> str:
+    """A README.md for a Samba folder: Hub metadata, what the model is, and how to load it with or without samba-hf."""
+    layers = ", ".join(f"{config.layer_types.count(t)} {t}" for t in dict.fromkeys(config.layer_types))
+    return f"""---
+{hub_metadata(**metadata)}
+---
+
+# {title}
+
+{details}
+
+- Layers: {config.num_hidden_layers} ({layers}); hidden size {config.hidden_size}, vocabulary {config.vocab_size}.
+- Architecture: Samba (Ren et al., ICLR 2025): Mamba and sliding-window attention layers, each followed by a
+  SwiGLU MLP, in the transformers implementation of samba-hf.
+
+## Use
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)  # or `import samba_hf` first
+```
+
+The folder carries its own modeling code (`modeling_samba.py`, `configuration_samba.py`, `ssm_samba.py`), so
+`trust_remote_code=True` works without the samba-hf package.
+"""
 
 
 __all__ = ["SambaForCausalLM", "SambaModel", "SambaPreTrainedModel"]

@@ -151,7 +151,7 @@ def convert(
     shard_bytes = parse_size(max_shard_size)
     tokenizer = Path(tokenizer) if tokenizer is not None else source_tokenizer(src)
     sources = (src,) if tokenizer is None else (src, tokenizer)
-    check_output(out, force, sources)  # before reading gigabytes
+    check_output(out, force, sources)  # said first (atomic_folder checks again right before it writes)
     cleaned = clean_stale(out)
     checkpoint = Checkpoint(src)
     samba_config, origin = resolve_config(config), "from the source's config.json"

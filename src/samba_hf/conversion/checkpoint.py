@@ -125,6 +125,7 @@ def check_layout(
     ignored=lambda name: False,
     hint: str = "",
     header: str | None = None,
+    likely_cause: str = "a wrong config name or wrong sizes for this checkpoint.",
 ):
     """Compare the checkpoint's keys and shapes with `expected` (names the config implies) and raise one
     ConversionError that lists every missing, unexpected and mis-shaped tensor."""
@@ -146,5 +147,5 @@ def check_layout(
     if present and len(missing) == len(set(expected) - set(optional)):
         lines.append(f"  No expected key is present: this is probably not a {source} checkpoint (wrong source format).")
     elif misshaped or missing:
-        lines.append("  Likely cause: a wrong config name or wrong sizes for this checkpoint." + (f" {hint}" if hint else ""))
+        lines.append(f"  Likely cause: {likely_cause}" + (f" {hint}" if hint else ""))
     raise ConversionError("\n".join(lines))

@@ -51,7 +51,7 @@ def config_from_fla(fla: dict) -> SambaConfig:
         num_attention_heads=attn["num_heads"],
         num_key_value_heads=attn.get("num_kv_heads") or attn["num_heads"],
         head_dim=hidden // attn["num_heads"],
-        max_position_embeddings=fla.get("max_position_embeddings", 2048),
+        max_position_embeddings=None if window else fla.get("max_position_embeddings", 2048),  # windows: no limit
         rms_norm_eps=fla.get("norm_eps", 1e-5),
         rope_parameters={"rope_type": "default", "rope_theta": float(attn.get("rope_theta") or 10000.0)},
         sliding_window=window or None,

@@ -56,7 +56,7 @@ def config_from_name(name: str, **lit_gpt_overrides) -> SambaConfig:
         num_attention_heads=lit["n_head"],
         num_key_value_heads=lit["n_query_groups"] or lit["n_head"],
         head_dim=lit["n_embd"] // lit["n_head"],
-        max_position_embeddings=lit["block_size"],
+        max_position_embeddings=None if window > 0 else lit["block_size"],  # sliding layers: no length limit
         rms_norm_eps=lit["norm_eps"],
         sliding_window=window if window > 0 else None,
         use_rope=not lit["nope"],

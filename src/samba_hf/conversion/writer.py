@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 
 from ..configuration_samba import SambaConfig
-from ..modeling_samba import SambaForCausalLM, hub_metadata
+from ..modeling_samba import AUTO_MODEL, SambaForCausalLM, model_card
 from .checkpoint import ConversionError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -270,6 +270,7 @@ def non_finite_message(name: str, source: torch.Tensor, dtype: torch.dtype) -> s
 def write_config_and_code(folder: Path, config: SambaConfig, dtype: torch.dtype):
     """config.json (with auto_map), generation_config.json and the remote-code files."""
     config.dtype = dtype
+    config.auto_map = {**(getattr(config, "auto_map", None) or {}), **AUTO_MODEL}
     custom_object_save(empty_model(config), folder, config=config)  # copies modeling/configuration/ssm files
     config.save_pretrained(folder)
     generation = GenerationConfig.from_model_config(config)
@@ -279,30 +280,10 @@ def write_config_and_code(folder: Path, config: SambaConfig, dtype: torch.dtype)
 def write_model_card(folder: Path, source: str, src: str, command: str, parity: str, config: SambaConfig,
                      base_model: str | None = None, license: str = "unknown"):
     params = sum(int(torch.Size(s).numel()) for s in expected_tensors(config).values())
-    layers = ", ".join(f"{config.layer_types.count(t)} {t}" for t in dict.fromkeys(config.layer_types))
-    text = f"""---
-{hub_metadata(license=license, base_model=base_model, extra_tags=["converted", source])}
----
-
-# Samba model converted from {source}
-
-Converted with samba-hf from `{src}` ({source} format).
-
-- Command: `{command}`
-- Parameters: {params:,} ({config.num_hidden_layers} layers: {layers}; hidden size {config.hidden_size},
-  vocabulary {config.vocab_size}); weights stored as {str(config.dtype).replace("torch.", "")}.
-- Parity at conversion: {parity}
-
-## Use
-
-```python
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)  # or `import samba_hf` first
-```
-
-The folder carries its own modeling code (`modeling_samba.py`, `configuration_samba.py`, `ssm_samba.py`), so
-`trust_remote_code=True` works without the samba-hf package.
-"""
+    details = (f"Converted with samba-hf from `{src}` ({source} format): {params:,} parameters, weights stored as "
+               f"{str(config.dtype).replace('torch.', '')}.\n\n- Command: `{command}`\n- Parity at conversion: {parity}")
+    text = model_card(config, f"Samba model converted from {source}", details, license=license,
+                      base_model=base_model, extra_tags=["converted", source])
     (folder / "README.md").write_text(text)
 
 

@@ -1,0 +1,232 @@
+"""Bad configs and bad forward inputs fail with a ValueError that names the field or the problem and the fix,
+instead of a TypeError / IndexError deep in transformers or torch, or a silently different result."""
+
+import json
+import math
+import re
+import typing
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from samba_hf import SambaConfig
+
+from conftest import tiny_config, tiny_model
+
+# What the error says each typed field of SambaConfig must be, and values of the wrong type for it.
+TYPED_FIELDS = {
+    **dict.fromkeys(
+        ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "max_position_embeddings", "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size"],
+        "an int",
+    ),
+    **dict.fromkeys(["num_key_value_heads", "head_dim", "sliding_window", "pad_token_id", "bos_token_id"], "an int or None"),
+    "eos_token_id": "an int, a list of ints or None",
+    "mamba_dt_rank": 'a positive int or "auto"',
+    **dict.fromkeys(
+        ["initializer_range", "rms_norm_eps", "attention_dropout", "mamba_dt_min", "mamba_dt_max",
+         "mamba_dt_init_floor", "mamba_dt_scale"],
+        "a finite number",
+    ),
+    **dict.fromkeys(
+        ["use_cache", "tie_word_embeddings", "use_rope", "attention_bias", "mamba_conv_bias", "mamba_proj_bias"],
+        "true or false",
+    ),
+}
+WRONG_VALUES = {
+    "an int": ["8", 8.0, True],
+    "an int or None": ["8", 8.0, True],
+    "an int, a list of ints or None": ["2", 2.0, [2, "3"]],
+    'a positive int or "auto"': ["8", 8.0, True],
+    "a finite number": ["0.5", True, None],
+    "true or false": ["true", 1, None],
+}
+FLOAT_FIELDS = [field for field, kind in TYPED_FIELDS.items() if kind == "a finite number"]
+
+
+def raises(message):
+    return pytest.raises(ValueError, match=message)
+
+
+def test_every_int_float_and_bool_field_is_type_checked():
+    """A string in each int / float / bool field of SambaConfig (as a hand-edited config.json may have) is named."""
+    scalar = (int, float, bool)
+    for field, annotation in SambaConfig.__annotations__.items():
+        if any(t in scalar for t in typing.get_args(annotation) or (annotation,)):
+            assert field in TYPED_FIELDS, f"{field} has no type check in this test"
+    for field in TYPED_FIELDS:
+        with raises(rf"^SambaConfig: `{field}` must be"):
+            tiny_config(**{field: "x"})
+
+
+@pytest.mark.parametrize(
+    "field, value", [(field, value) for field, kind in TYPED_FIELDS.items() for value in WRONG_VALUES[kind]]
+)
+def test_wrong_type_names_the_field_and_what_it_must_be(field, value):
+    with raises(rf"^SambaConfig: `{field}` must be {re.escape(TYPED_FIELDS[field])}(?!\w)"):
+        tiny_config(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_attention_heads"])
+def test_types_are_checked_before_the_head_dim_division(field):
+    with raises(rf"^SambaConfig: `{field}` must be an int"):
+        tiny_config(head_dim=None, **{field: "4"})
+
+
+def test_unknown_hidden_act():
+    with raises(r"^SambaConfig: `hidden_act` must name an activation of transformers' ACT2FN.*'swishy'"):
+        tiny_config(hidden_act="swishy")
+
+
+def test_unknown_rope_type():
+    with raises(r'^SambaConfig: `rope_parameters\["rope_type"\]` must be "default" or one of .*\'yarn\'.*\'bogus\''):
+        tiny_config(rope_parameters={"rope_type": "bogus", "rope_theta": 10000.0})
+
+
+@pytest.mark.parametrize("value", [-0.1, 1, 1.5])
+def test_attention_dropout_outside_zero_one(value):
+    with raises(r"^SambaConfig: `attention_dropout` must be in \[0, 1\)"):
+        tiny_config(attention_dropout=value)
+
+
+@pytest.mark.parametrize("value", [0, -1e-5, math.nan, math.inf])
+def test_rms_norm_eps_must_be_positive_and_finite(value):
+    with raises(r"^SambaConfig: `rms_norm_eps` must be"):
+        tiny_config(rms_norm_eps=value)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_max_position_embeddings_below_one(value):
+    with raises(r"^SambaConfig: `max_position_embeddings` must be a positive integer"):
+        tiny_config(max_position_embeddings=value)
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_nan_and_inf_in_float_fields(field, value):
+    with raises(rf"^SambaConfig: `{field}` must be a finite number"):
+        tiny_config(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("num_attention_heads", "4"), ("use_rope", "false"), ("hidden_act", "gelu_fancy"), ("attention_dropout", 1.5),
+     ("rope_parameters", {"rope_type": "bogus", "rope_theta": 10000.0}), ("rms_norm_eps", 0)],
+)
+def test_bad_values_in_config_json_are_named_on_load(tmp_path, field, value):
+    tiny_config().save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**fields, field: value}))
+    message = rf"^SambaConfig: `{re.escape(field)}"
+    for load in (SambaConfig.from_pretrained, AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained,
+                 lambda folder: SambaConfig.from_dict({**fields, field: value})):
+        with raises(message):
+            load(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(3, 97, (2, 6))
+
+
+def filled_cache(model, ids):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("low, high", [(-1, 5), (5, 97), (-100, 200)])
+def test_ids_outside_the_vocabulary(model, low, high):
+    ids = torch.full((2, 6), 5)
+    ids[0, 0], ids[1, -1] = low, high
+    with raises(rf"input_ids holds ids from {low} to {high}, but the vocabulary has 97 entries"):
+        model(ids)
+
+
+def test_empty_sequence(model, ids):
+    with raises(r"input_ids must have shape \(batch, seq\) with seq >= 1, got \(2, 0\)"):
+        model(ids[:, :0])
+
+
+@pytest.mark.parametrize("shape", [(12,), (1, 2, 6)])
+def test_input_ids_not_2d(model, ids, shape):
+    with raises(r"input_ids must have shape \(batch, seq\).*input_ids\[None\]"):
+        model(ids.reshape(shape))
+
+
+@pytest.mark.parametrize("shape", [(3, 6), (1, 6), (2, 5), (2, 7), (6,)])
+def test_attention_mask_of_the_wrong_shape(model, ids, shape):
+    with raises(rf"attention_mask has shape {re.escape(str(shape))}, expected \(2, 6\)"):
+        model(ids, attention_mask=torch.ones(shape, dtype=torch.long))
+
+
+def test_attention_mask_must_cover_the_cached_tokens(model, ids):
+    cache = filled_cache(model, ids)
+    with raises(r"attention_mask has shape \(2, 1\), expected \(2, 7\).*the 6 cached ones included"):
+        model(ids[:, :1], attention_mask=torch.ones(2, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("value", [2, 0.5])
+def test_attention_mask_values_other_than_zero_and_one(model, ids, value):
+    mask = torch.ones(2, 6)
+    mask[1, 3] = value
+    with raises(rf"attention_mask must hold only 1 \(token\) and 0 \(padding\).*holds {value}"):
+        model(ids, attention_mask=mask)
+
+
+def test_bool_masks_and_ready_made_masks_are_accepted(model, ids):
+    """Not an error case: bool 2D masks, 4D masks and generate's dict of masks go through as before."""
+    with torch.no_grad():
+        reference = model(ids).logits
+        assert torch.equal(model(ids, attention_mask=torch.ones(2, 6, dtype=torch.bool)).logits, reference)
+        causal = torch.full((6, 6), -torch.inf).triu(1)[None, None].expand(2, 1, 6, 6)
+        masks = {"linear_attention": None, "sliding_attention": causal, "full_attention": causal}
+        model(ids, attention_mask=causal)
+        model(ids, attention_mask=masks)
+
+
+def test_cache_for_another_layout(model, ids):
+    other = tiny_config(layer_types=["sliding_attention", "linear_attention", "full_attention", "linear_attention"])
+    with raises(r"past_key_values was built for another layout: its layers are \['sliding_attention'"):
+        model(ids, past_key_values=DynamicCache(config=other), use_cache=True)
+
+
+@pytest.mark.parametrize("layers", [2, 6])
+def test_cache_with_another_number_of_layers(model, ids, layers):
+    other = tiny_config(num_hidden_layers=layers)
+    with raises(rf"past_key_values has {layers} layers but this model has 4.*DynamicCache\(config=model.config\)"):
+        model(ids, past_key_values=DynamicCache(config=other), use_cache=True)
+
+
+def test_cache_without_config_for_mamba_layers(model, ids):
+    with raises(r"past_key_values was built without a config.*no conv and SSM states for the Mamba layers"):
+        model(ids, past_key_values=DynamicCache(), use_cache=True)
+
+
+def test_cache_with_a_smaller_sliding_window(model, ids):
+    with raises(r"past_key_values keeps a sliding window of 4 tokens at layer 1, this model needs 8"):
+        model(ids, past_key_values=DynamicCache(config=tiny_config(sliding_window=4)), use_cache=True)
+
+
+def test_cache_of_another_batch_size(model, ids):
+    cache = filled_cache(model, ids)
+    with raises(r"past_key_values holds a batch of 2 sequences but the input has 1"):
+        model(ids[:1, :1], past_key_values=cache, use_cache=True)
+
+
+def test_cache_filled_by_a_model_of_other_widths(model, ids):
+    cache = filled_cache(tiny_model(hidden_size=48), ids)
+    with raises(r"past_key_values was built for another config: layer 0 \(linear_attention\) holds states of widths"):
+        model(ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+def test_cache_that_is_not_a_cache(model, ids):
+    with raises(r"past_key_values must be a transformers Cache, got tuple"):
+        model(ids, past_key_values=((torch.zeros(1), torch.zeros(1)),), use_cache=True)
