@@ -69,10 +69,9 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype):
         raise UserError(f"no such model folder: {path!r}" if not os.path.exists(path) else
                         f"{path!r} is a file; --model takes a model folder (config.json, weights, tokenizer)")
     try:
-        if local:
-            read_config(path)  # what is wrong with config.json is said first
-            if tokenizer_arg is None:
-                check_tokenizer(path)
+        config = read_config(path) if local else None  # what is wrong with config.json is said first
+        if local and tokenizer_arg is None:
+            check_tokenizer(path)
     except ModelFolderError as error:
         raise UserError(str(error))
     try:
@@ -80,7 +79,7 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype):
     except (OSError, ValueError, ImportError) as error:
         raise UserError(f"cannot load the tokenizer from {tokenizer_arg or path!r}: {_first_line(error)}")
     try:
-        model = load_model(path, dtype) if local else AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = load_model(path, dtype, config) if local else AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except ModelFolderError as error:
         raise UserError(str(error))
     except (OSError, ValueError) as error:

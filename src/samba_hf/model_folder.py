@@ -82,11 +82,12 @@ def check_tokenizer(path: str | os.PathLike) -> None:
         )
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype | str = "auto"):
-    """`SambaForCausalLM.from_pretrained(path)` after the checks above, and with finite weights."""
+def load_model(path: str | os.PathLike, dtype: torch.dtype | str = "auto", config: SambaConfig | None = None):
+    """`SambaForCausalLM.from_pretrained(path)` after the checks above, and with finite weights (`config`: the
+    folder's, when `read_config` has already read it)."""
     from .modeling_samba import SambaForCausalLM
 
-    config = read_config(path)
+    config = config or read_config(path)
     check_weights(path, config)
     try:
         model = SambaForCausalLM.from_pretrained(path, config=config, dtype=dtype)
