@@ -84,8 +84,8 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype):
         raise UserError(str(error))
     except (OSError, ValueError) as error:
         raise UserError(f"cannot load model {path!r}: {_first_line(error)}")
-    if getattr(model.config, "model_type", None) != "samba":
-        raise UserError(f"{path!r} is a {model.config.model_type!r} model, not a Samba model")
+    if getattr(model.config, "model_type", None) not in ("samba", "phi4flash"):
+        raise UserError(f"{path!r} is a {model.config.model_type!r} model, not a Samba (or SambaY) model")
     if len(tokenizer) > model.config.vocab_size:
         raise UserError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {model.config.vocab_size}: "

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedConfig
 
 from .configuration_samba import SambaConfig
 from .conversion.checkpoint import Checkpoint, ConversionError, check_layout
@@ -25,7 +26,16 @@ class ModelFolderError(ValueError):
     """A model folder that cannot be used as it is: the message names the problem and the fix."""
 
 
-def read_config(path: str | os.PathLike) -> SambaConfig:
+def model_classes() -> dict:
+    """model_type -> (config class, causal LM class) of the models samba-hf runs."""
+    from .configuration_sambay import SambaYConfig
+    from .modeling_samba import SambaForCausalLM
+    from .modeling_sambay import SambaYForCausalLM
+
+    return {"samba": (SambaConfig, SambaForCausalLM), "phi4flash": (SambaYConfig, SambaYForCausalLM)}
+
+
+def read_config(path: str | os.PathLike) -> PreTrainedConfig:
     path = Path(path)
     file = path / "config.json"
     if not file.is_file():
@@ -37,13 +47,13 @@ def read_config(path: str | os.PathLike) -> SambaConfig:
     if not isinstance(fields, dict):
         raise ModelFolderError(f"{file} holds a JSON {type(fields).__name__}, not an object of config fields")
     model_type = fields.get("model_type")
-    if model_type != "samba":
+    if model_type not in model_classes():
         raise ModelFolderError(
             f"{str(path)!r} holds a {model_type!r} model, not a Samba model; convert it into one first "
             "(samba-hf convert mamba | mistral | llama | fla | lit-gpt)"
         )
     try:
-        return SambaConfig.from_pretrained(path)
+        return model_classes()[model_type][0].from_pretrained(path)
     except (TypeError, ValueError) as error:
         raise ModelFolderError(f"{file}: {str(error).strip().splitlines()[0]}") from None
 
@@ -76,21 +86,24 @@ def check_finite(model: torch.nn.Module, path) -> None:
 def check_tokenizer(path: str | os.PathLike) -> None:
     path = Path(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        try:  # the released Phi-4-mini-flash-reasoning names another Hub repository's tokenizer here
+            elsewhere = json.loads((path / "config.json").read_text()).get("auto_map", {}).get("AutoTokenizer")
+        except (OSError, ValueError, AttributeError):
+            elsewhere = None
+        where = f" (its config.json names the Hub tokenizer {elsewhere!r}: download that one)" if elsewhere else ""
         raise ModelFolderError(
-            f"{str(path)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); pass --tokenizer with a "
-            "tokenizer folder or Hub name, or add one with tokenizer.save_pretrained(folder)"
+            f"{str(path)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}){where}; pass --tokenizer "
+            "with a tokenizer folder or Hub name, or add one with tokenizer.save_pretrained(folder)"
         )
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str = "auto", config: SambaConfig | None = None):
-    """`SambaForCausalLM.from_pretrained(path)` after the checks above, and with finite weights (`config`: the
+    """`SambaForCausalLM` / `SambaYForCausalLM.from_pretrained(path)` after the checks above, and with finite weights (`config`: the
     folder's, when `read_config` has already read it)."""
-    from .modeling_samba import SambaForCausalLM
-
     config = config or read_config(path)
     check_weights(path, config)
     try:
-        model = SambaForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+        model = model_classes()[config.model_type][1].from_pretrained(path, config=config, dtype=dtype)
     except (OSError, RuntimeError, ValueError) as error:  # the checks above leave only unreadable tensor data
         raise ModelFolderError(f"cannot load the weights in {path}: {str(error).strip().splitlines()[0]}") from None
     check_finite(model, path)

@@ -20,7 +20,13 @@ from torch import nn
 
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DummyLayer,
+    DynamicCache,
+    LinearAttentionCacheLayerMixin,
+)
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
     create_causal_mask,
@@ -51,7 +57,10 @@ MASK_BUILDERS = {
 
 
 def cache_layer_kind(layer) -> str:
-    """The kind of layer a cache layer was built for, named as in `config.layer_types`."""
+    """The kind of layer a cache layer was built for, named as in `config.layer_types` ("dummy": a layer that keeps
+    nothing, for layers that read another layer's cache)."""
+    if isinstance(layer, DummyLayer):
+        return "dummy"
     if isinstance(layer, LinearAttentionCacheLayerMixin):
         return "linear_attention"
     if isinstance(layer, CacheLayerMixin):
@@ -358,10 +367,13 @@ class SambaMambaMixer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         documents: PackedDocuments | None = None,
-    ) -> torch.Tensor:
-        # hidden_states (batch, seq, hidden); attention_mask (batch, seq): 1 for tokens, 0 for padding, or None
+        return_memory: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # hidden_states (batch, seq, hidden); attention_mask (batch, seq): 1 for tokens, 0 for padding, or None.
+        # return_memory: also return the scan output before the gate, (batch, seq, d_inner) (SambaY's memory layer).
         if documents is not None:  # packed sequences: the conv and the scan restart at each document
-            return documents.pack(self(documents.unpack(hidden_states), attention_mask=documents.valid))
+            out = self(documents.unpack(hidden_states), attention_mask=documents.valid, return_memory=return_memory)
+            return tuple(map(documents.pack, out)) if return_memory else documents.pack(out)
         seq_len = hidden_states.shape[1]
         mask = attention_mask[:, :, None].to(hidden_states.dtype) if attention_mask is not None else None
         # Read the SSM state before the conv update below marks the layer as having a previous state.
@@ -383,9 +395,11 @@ class SambaMambaMixer(nn.Module):
         if mask is not None:
             dt = dt * mask  # a zero step leaves the state as it was: padding neither decays nor feeds it
         A = -torch.exp(self.A_log.float())  # (d_inner, d_state)
-        y, ssm_state = selective_scan(x, dt, A, B, C, self.D, z, ssm_state)
+        y, ssm_state = selective_scan(x, dt, A, B, C, self.D, None if return_memory else z, ssm_state)
         if past_key_values is not None:
             past_key_values.update_recurrent_state(ssm_state, self.layer_idx)
+        if return_memory:
+            return self.out_proj(y * self.act(z)), y
         return self.out_proj(y)
 
 
@@ -450,10 +464,6 @@ class SambaDecoderLayer(GradientCheckpointingLayer):
         return hidden_states
 
 
-# The auto_map entry for AutoModel that a saved folder carries beside AutoConfig / AutoModelForCausalLM.
-AUTO_MODEL = {"AutoModel": "modeling_samba.SambaModel"}
-
-
 class SambaPreTrainedModel(PreTrainedModel):
     config: SambaConfig
     config_class = SambaConfig
@@ -468,12 +478,13 @@ class SambaPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _is_stateful = True
     _can_record_outputs = {"hidden_states": SambaDecoderLayer, "attentions": SambaAttention}
+    _auto_model_entry = "modeling_samba.SambaModel"  # the base model, for `auto_map["AutoModel"]` in saved folders
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained, plus what tools that never import samba_hf need: an `auto_map` entry for
         `AutoModel` too (transformers writes only the saved class's), and a model card with Hub metadata when the
         folder has no README.md (one that is there is never replaced)."""
-        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **AUTO_MODEL}
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), "AutoModel": self._auto_model_entry}
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             try:
@@ -625,11 +636,13 @@ class SambaModel(SambaPreTrainedModel):
         if len(layers) > n or (cache.layer_class_to_replicate is None and len(layers) != n):
             raise ValueError(f"past_key_values has {len(layers)} layers but this model has {n}: {fix}.")
         kinds = [cache_layer_kind(layer) for layer in layers]
+        sharing = getattr(config, "kv_sharing_modes", None) or ["own"] * n  # "reuse": no cache of its own
+        expected = ["dummy" if mode == "reuse" else kind for kind, mode in zip(config.layer_types, sharing)]
         # a full-attention cache keeps all a sliding layer needs (a `DynamicCache()` of an attention-only model)
-        if any(k != t and (k, t) != ("full_attention", "sliding_attention") for k, t in zip(kinds, config.layer_types)):
+        if any(k != t and (k, t) != ("full_attention", "sliding_attention") for k, t in zip(kinds, expected)):
             raise ValueError(
                 f"past_key_values was built for another layout: its layers are {kinds}, this model's are "
-                f"{config.layer_types}: {fix}."
+                f"{expected}: {fix}."
             )
         for i, (kind, layer) in enumerate(zip(kinds, layers)):
             window = getattr(layer, "sliding_window", None)
@@ -691,7 +704,27 @@ class SambaModel(SambaPreTrainedModel):
     def _run_layers(
         self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=None
     ) -> torch.Tensor:
-        # One mask per kind of layer, built once per forward. generate() may pass them ready-made as a dict.
+        mask_mapping = self._mask_mapping(inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents)
+        hidden_states = inputs_embeds
+        position_embeddings = None
+        if self.config.use_rope and any(kind != "linear_attention" for kind in self.config.layer_types):
+            position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+
+        for decoder_layer in self.layers:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=mask_mapping[decoder_layer.layer_type],
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+                documents=documents,
+                **kwargs,
+            )
+        return hidden_states
+
+    def _mask_mapping(self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents) -> dict:
+        """One mask per kind of layer (`config.layer_types`), built once per forward; generate() may pass them
+        ready-made as a dict."""
         if not isinstance(mask_mapping := attention_mask, dict):
             mask_kwargs = {
                 "config": self.config,
@@ -713,23 +746,7 @@ class SambaModel(SambaPreTrainedModel):
             if "sliding_attention" not in mask_mapping and "sliding_attention" in self.config.layer_types:
                 # Long input: sliding layers go block by block from the 2D padding mask (no L x L mask is built).
                 mask_mapping["sliding_attention"] = None if attention_mask is None else attention_mask.bool()
-
-        hidden_states = inputs_embeds
-        position_embeddings = None
-        if self.config.use_rope and any(kind != "linear_attention" for kind in self.config.layer_types):
-            position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-
-        for decoder_layer in self.layers:
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=mask_mapping[decoder_layer.layer_type],
-                position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
-                position_ids=position_ids,
-                documents=documents,
-                **kwargs,
-            )
-        return hidden_states
+        return mask_mapping
 
     def _packed_documents(self, position_ids, attention_mask, past_key_values, batch_size) -> PackedDocuments | None:
         """Documents packed into one row (position_ids restart within a row, no padding), or None."""

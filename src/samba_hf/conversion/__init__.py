@@ -198,6 +198,9 @@ def export_lit_gpt(src: str | os.PathLike, out: str | os.PathLike, force: bool =
         model = load_model(src, dtype="auto")
     except ModelFolderError as error:
         raise ConversionError(str(error)) from None
+    if model.config.model_type != "samba":
+        raise ConversionError(f"{src} holds a {model.config.model_type!r} model: the official Samba code has no "
+                              "layout for it (export lit-gpt takes Samba folders).")
     state = lit_gpt.to_official(model.state_dict(), model.config)
     with os_errors(out):
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,9 @@ from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 
 from ..configuration_samba import SambaConfig
-from ..modeling_samba import AUTO_MODEL, SambaForCausalLM, model_card
+from ..configuration_sambay import SambaYConfig
+from ..modeling_samba import SambaForCausalLM, model_card
+from ..modeling_sambay import SambaYForCausalLM
 from .checkpoint import ConversionError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,10 +45,10 @@ def keeps_float32(name: str) -> bool:
     return name.endswith((".A_log", ".mamba.D"))
 
 
-def empty_model(config: SambaConfig) -> SambaForCausalLM:
+def empty_model(config: SambaConfig | SambaYConfig) -> SambaForCausalLM:
     """The model on the meta device: its state dict gives every expected name and shape, for free."""
     with torch.device("meta"):
-        return SambaForCausalLM(config)
+        return (SambaYForCausalLM if isinstance(config, SambaYConfig) else SambaForCausalLM)(config)
 
 
 def expected_tensors(config: SambaConfig) -> dict[str, tuple[int, ...]]:
@@ -270,7 +272,7 @@ def non_finite_message(name: str, source: torch.Tensor, dtype: torch.dtype) -> s
 def write_config_and_code(folder: Path, config: SambaConfig, dtype: torch.dtype):
     """config.json (with auto_map), generation_config.json and the remote-code files."""
     config.dtype = dtype
-    config.auto_map = {**(getattr(config, "auto_map", None) or {}), **AUTO_MODEL}
+    config.auto_map = {**(getattr(config, "auto_map", None) or {}), "AutoModel": SambaForCausalLM._auto_model_entry}
     custom_object_save(empty_model(config), folder, config=config)  # copies modeling/configuration/ssm files
     config.save_pretrained(folder)
     generation = GenerationConfig.from_model_config(config)
