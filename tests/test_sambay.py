@@ -247,3 +247,40 @@ def word_tokenizer(folder):
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                             pad_token="<unk>").save_pretrained(folder)
+
+
+@pytest.mark.parametrize("target", ["Wqkv", "out_proj", "in_proj", "x_proj", "dt_proj", "fc1", "fc2"])
+def test_lora_on_every_projection_changes_training_and_cached_decoding(target):
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny_model(seed=5)
+    x = ids(1, 9)
+    with torch.no_grad():
+        base = model(x).logits
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=[target], init_lora_weights=False))
+    adapted_layers = {name.split(".")[4] for name, _ in peft_model.named_modules() if name.endswith(f"{target}.lora_A")}
+    assert adapted_layers, target
+    peft_model.eval()
+    with torch.no_grad():
+        adapted = peft_model(x).logits
+    assert (adapted - base).abs().max() > 1e-3, target  # the adapter is applied
+    out = peft_model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, greedy_without_cache(peft_model, x, 6))
+    peft_model.train()
+    peft_model(x, labels=x).loss.backward()
+    trained = [p for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained)
+
+
+def test_trainer_lowers_the_loss(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model, _ = tiny_model(seed=6)
+    sequence = ids(1, 16, seed=7)[0]
+    data = [{"input_ids": sequence, "labels": sequence}] * 8
+    args = TrainingArguments(tmp_path, max_steps=12, per_device_train_batch_size=4, learning_rate=5e-3,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses[-1] < 0.5 * losses[0], losses
