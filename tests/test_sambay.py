@@ -284,3 +284,18 @@ def test_trainer_lowers_the_loss(tmp_path):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"num_hidden_layers": 6}, "`num_hidden_layers` must be a multiple of 4"),
+    ({"num_key_value_heads": 3, "num_attention_heads": 9, "hidden_size": 36}, "must be even"),
+    ({"hidden_size": 30}, "must be a multiple of `num_attention_heads`"),
+    ({"mb_per_layer": 3}, "`mb_per_layer` must be 2"),
+    ({"layer_types": ["full_attention"] * 8}, "leave it unset"),
+    ({"sliding_window": 0}, "`sliding_window` must be a positive integer"),
+    ({"hidden_size": "32"}, "`hidden_size` must be a positive integer"),
+    ({"layer_norm_eps": -1.0}, "`layer_norm_eps` must be > 0"),
+])
+def test_configs_the_model_cannot_build_name_the_field(fields, fragment):
+    with pytest.raises(ValueError, match="SambaYConfig: .*" + fragment.replace("(", r"\(").replace(")", r"\)")):
+        SambaYConfig(**{**TINY, **fields})
