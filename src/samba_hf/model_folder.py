@@ -75,7 +75,8 @@ def check_weights(path: str | os.PathLike, config: SambaConfig) -> None:
 
 
 def check_finite(model: torch.nn.Module, path) -> None:
-    for name, tensor in model.state_dict().items():
+    # named_parameters lists a tied head once (state_dict would read the embedding matrix twice)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ModelFolderError(
                 f"{name} in {path} holds NaN or inf values: the weights are damaged (a diverged or interrupted "

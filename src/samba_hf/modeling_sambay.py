@@ -73,10 +73,15 @@ class SambaYDifferentialAttention(nn.Module):
         self.lambda_k2 = nn.Parameter(torch.zeros(self.head_dim))
         self.subln = SambaRMSNorm(2 * self.head_dim, eps=1e-5)
 
-    def forward(self, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, tuple]:
-        # query (batch, heads, q_len, d); key, value (batch, kv_heads, kv_len, d) -> (batch, q_len, heads * d)
+    @staticmethod
+    def pair_values(value: torch.Tensor) -> torch.Tensor:
+        """(batch, kv_heads, kv_len, d) -> each pair's [v_2p | v_2p+1], (batch, kv_heads / 2, kv_len, 2d)."""
+        return torch.cat([value[:, 0::2], value[:, 1::2]], dim=-1)
+
+    def forward(self, query, key, values, attention_mask, **kwargs) -> tuple[torch.Tensor, tuple]:
+        # query (batch, heads, q_len, d); key (batch, kv_heads, kv_len, d); values: `pair_values` of the values
+        # -> (batch, q_len, heads * d)
         batch, _, q_len, _ = query.shape
-        values = torch.cat([value[:, 0::2], value[:, 1::2]], dim=-1)  # (batch, kv_heads / 2, kv_len, 2d)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         options = dict(scaling=self.scaling, sliding_window=self.sliding_window,
                        dropout=self.config.attention_dropout if self.training else 0.0, **kwargs)
@@ -115,20 +120,22 @@ class SambaYAttention(nn.Module):
         shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, tuple, tuple[torch.Tensor, torch.Tensor]]:
-        """Returns (output, attention weights, the (key, value) attended: cached positions included)."""
+        """Returns (output, attention weights, the (key, paired values) attended, cached positions included: what
+        the cross-attention layers read, paired once for all of them)."""
         batch, seq_len, _ = hidden_states.shape
         qkv = self.Wqkv(hidden_states)
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         query = qkv[..., :q_width].view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         if self.block == "cross_attention":
-            key, value = shared_kv
+            key, values = shared_kv
         else:
             key = qkv[..., q_width : q_width + kv_width].view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
             value = qkv[..., q_width + kv_width :].view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
             if past_key_values is not None:
                 key, value = past_key_values.update(key, value, self.layer_idx)
-        out, weights = self.inner_cross_attn(query, key, value, attention_mask, **kwargs)
-        return self.out_proj(out), weights, (key, value)
+            values = self.inner_cross_attn.pair_values(value)
+        out, weights = self.inner_cross_attn(query, key, values, attention_mask, **kwargs)
+        return self.out_proj(out), weights, (key, values)
 
 
 class SambaYGatedMemoryUnit(nn.Module):
