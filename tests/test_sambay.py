@@ -167,6 +167,47 @@ def test_chunked_prefill_and_left_padding_and_beams():
     assert scores.sequences_scores[0].item() == pytest.approx(total.item(), abs=1e-4)
 
 
+def cross_decoder_positions(model) -> list[int]:
+    """Records how many positions each cross-decoder layer (GMU and cross-attention) runs on."""
+    seen = []
+    start = model.config.block_types.index("full_attention") + 1
+    for layer in model.model.layers[start:]:
+        layer.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[1]))
+    return seen
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_logits_to_keep_runs_the_cross_decoder_on_the_kept_positions_only(implementation):
+    """YOCO's prefill saving: with logits_to_keep=k the cross-decoder (stateless) runs on the last k positions; the
+    logits equal the full forward's, with padding, from a cache, and through chunked inference."""
+    model, _ = tiny_model()
+    model.config._attn_implementation = implementation
+    seen = cross_decoder_positions(model)
+    x = ids(2, 13)
+    mask = (torch.arange(13) >= torch.tensor([[4], [0]])).long()
+    with torch.no_grad():
+        full = model(x, attention_mask=mask).logits
+        for keep in (1, 3, 13, 20):
+            seen.clear()
+            kept = model(x, attention_mask=mask, logits_to_keep=keep).logits
+            torch.testing.assert_close(kept, full[:, -keep:], rtol=1e-5, atol=1e-5)
+            assert seen == [min(keep, 13)] * 2  # L=8: one GMU and one cross-attention layer
+        # continuing from a cache: a 5-token piece after 8 cached positions
+        cache = DynamicCache(config=model.config)
+        model(x[:, :8], attention_mask=mask[:, :8], past_key_values=cache)
+        seen.clear()
+        step = model(x[:, 8:], attention_mask=mask, past_key_values=cache, logits_to_keep=2).logits
+        torch.testing.assert_close(step, full[:, -2:], rtol=1e-5, atol=1e-5)
+        assert seen == [2, 2]
+        # chunked inference (chunks of 4): the chunks before the last kept positions skip the cross-decoder
+        model.config.inference_chunk_size = 4
+        seen.clear()
+        chunked = model(x, logits_to_keep=6).logits
+        assert seen == [1, 1, 4, 4, 1, 1]  # positions 7-12 kept: chunk 0-3 skips it, 4-7 runs 1, 8-11 4, 12 1
+        model.config.inference_chunk_size = 4096
+        torch.testing.assert_close(chunked, model(x).logits[:, -6:], rtol=1e-5, atol=1e-5)
+
+
 def test_cache_bytes_grow_by_one_layers_keys_and_values_per_token():
     model, _ = tiny_model()
     config = model.config

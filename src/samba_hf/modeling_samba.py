@@ -551,8 +551,14 @@ class SambaModel(SambaPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        keep_last: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        r"""
+        keep_last (`int`, *optional*): return the last hidden states for only that many final positions (None: all).
+            The cache still takes every position; a model whose top layers keep no state (SambaY's cross-decoder)
+            runs them on those positions only.
+        """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if not torch.compiler.is_compiling():  # the checks read tensor values on the host: they would break graphs
@@ -575,17 +581,25 @@ class SambaModel(SambaPreTrainedModel):
             # Long inference input: go through the cache a chunk at a time (exactly equal, tested; the activations
             # of a chunk stay in the CPU caches and memory stays bounded by the chunk, not the prompt).
             cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
+            length = inputs_embeds.shape[1]
+            first_kept = length - min(keep_last, length) if keep_last is not None else 0
             hidden_states = torch.cat(
                 [
-                    self._run_layers(inputs_embeds[:, s : s + chunk], None, position_ids[:, s : s + chunk], cache, kwargs)
-                    for s in range(0, inputs_embeds.shape[1], chunk)
+                    self._run_layers(
+                        inputs_embeds[:, s : s + chunk], None, position_ids[:, s : s + chunk], cache, kwargs,
+                        keep_last=max(0, min(s + chunk, length) - max(s, first_kept)),  # of this chunk's positions
+                    )
+                    for s in range(0, length, chunk)
                 ],
                 dim=1,
             )
         else:
             hidden_states = self._run_layers(
-                inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=documents
+                inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=documents,
+                keep_last=keep_last,
             )
+        if keep_last is not None:
+            hidden_states = hidden_states[:, hidden_states.shape[1] - min(keep_last, hidden_states.shape[1]) :]
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
@@ -702,8 +716,10 @@ class SambaModel(SambaPreTrainedModel):
         return None if past_key_values.has_previous_state() else 0
 
     def _run_layers(
-        self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=None
+        self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=None, keep_last=None
     ) -> torch.Tensor:
+        """The decoder layers over one piece of the input; every Samba layer keeps state, so all positions run
+        (`keep_last` is applied by the caller)."""
         mask_mapping = self._mask_mapping(inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents)
         hidden_states = inputs_embeds
         position_embeddings = None
@@ -844,6 +860,7 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         >>> out = model(ids, labels=ids)
         >>> out.loss, out.logits.shape
         ```"""
+        keep_last = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else None
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -851,10 +868,11 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            keep_last=keep_last,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
-        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        slice_indices = logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else slice(None)  # 1D indices
         logits = self.lm_head(hidden_states[:, slice_indices, :])
 
         loss = None

@@ -249,10 +249,22 @@ class SambaYModel(SambaYPreTrainedModel, SambaModel):
     def norm(self, hidden_states: torch.Tensor) -> torch.Tensor:  # SambaModel.forward's last step
         return self.final_layernorm(hidden_states.to(self.final_layernorm.weight.dtype))
 
-    def _run_layers(self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=None):
+    def _run_layers(
+        self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=None, keep_last=None
+    ):
+        """Self-decoder on every position (it fills the cache), then the cross-decoder, which keeps no state, on the
+        last `keep_last` positions only (YOCO's prefill saving; None: all)."""
         mask_mapping = self._mask_mapping(inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents)
         hidden_states, memory, shared_kv = inputs_embeds, None, None
-        for decoder_layer in self.layers:
+        cross_start = self.config.block_types.index("full_attention") + 1
+        for index, decoder_layer in enumerate(self.layers):
+            if index == cross_start and keep_last is not None and keep_last < hidden_states.shape[1]:
+                cross_mask = self._cross_decoder_mask(mask_mapping["full_attention"], keep_last, shared_kv[0].shape[-2])
+                if cross_mask is not False:
+                    if keep_last == 0:
+                        return hidden_states[:, :0]
+                    hidden_states, memory = hidden_states[:, -keep_last:], memory[:, -keep_last:]
+                    mask_mapping = {**mask_mapping, "full_attention": cross_mask}
             hidden_states, memory, shared_kv = decoder_layer(
                 hidden_states,
                 attention_mask=mask_mapping[decoder_layer.layer_type],
@@ -264,6 +276,22 @@ class SambaYModel(SambaYPreTrainedModel, SambaModel):
                 **kwargs,
             )
         return hidden_states
+
+    def _cross_decoder_mask(self, mask, keep_last: int, kv_len: int):
+        """The full-attention mask for queries at the last `keep_last` positions only, or False where this
+        implementation's mask cannot be cut (the cross-decoder then runs on every position)."""
+        implementation = self.config._attn_implementation
+        if isinstance(mask, torch.Tensor) and mask.ndim == 4:  # (batch, 1, q_len, kv_len): keep the last rows
+            return mask[:, :, -keep_last:] if keep_last else mask
+        if implementation.startswith("flash") and (mask is None or isinstance(mask, torch.Tensor)):
+            return mask  # flash-attention aligns a shorter causal query block with the end of the keys itself
+        if implementation == "sdpa" and mask is None:  # causal, left out: query i sees keys up to kv_len - keep + i
+            if keep_last <= 1:
+                return None
+            return torch.ones(keep_last, kv_len, dtype=torch.bool, device=self.embed_tokens.weight.device).tril(
+                kv_len - keep_last
+            )[None, None]
+        return False
 
     def _blockwise_sliding(self, inputs_embeds, past_key_values, kwargs) -> bool:
         return False  # sliding layers read their mask as transformers builds it (long inputs go through in chunks)
