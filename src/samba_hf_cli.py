@@ -3,7 +3,7 @@
     samba-hf generate "prompt" [--model PATH_OR_NAME] [--tokenizer PATH_OR_NAME] [--max-new-tokens N] [--do-sample]
                                [--temperature T] [--top-k K] [--top-p P] [--seed S]
                                [--dtype auto|float32|bfloat16|float16] [--device auto|cpu|cuda|cuda:N|mps]
-                               [--prefill-chunk-size N]
+                               [--prefill-chunk-size N] [--chat [--system TEXT]]
     samba-hf convert {lit-gpt,fla,mamba,mistral,llama} SRC OUT [--config NAME_OR_JSON] [--force-config]
                      [--tokenizer PATH] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
                      [--verify | --no-verify] [--push-to-hub REPO] [--force]
@@ -44,6 +44,8 @@ def check_generate_arguments(args) -> None:
         raise UserError(f"the prompt is not valid UTF-8 text ({where} at character {error.start}); pass UTF-8 text")
     if not args.prompt:
         raise UserError("the prompt is empty; give some text to continue")
+    if args.system is not None and not args.chat:
+        raise UserError("--system sets the system message of a chat: add --chat")
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
     if args.prefill_chunk_size is not None and args.prefill_chunk_size < 1:
@@ -90,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
     gen.add_argument("--prefill-chunk-size", type=int, default=8192,
                      help="prompts longer than this are read in chunks of this many tokens (bounded memory)")
+    gen.add_argument("--chat", action="store_true",
+                     help="the prompt is a user message: format it with the tokenizer's chat template, print only "
+                          "the reply and stop at the end of its turn (e.g. <|end|> for Phi-4-mini-flash-reasoning)")
+    gen.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before the prompt")
     gen.set_defaults(command_name="generate", check=check_generate_arguments)
 
     conv = commands.add_parser("convert", help="turn a checkpoint of another implementation into a samba-hf folder")

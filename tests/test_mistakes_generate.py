@@ -122,7 +122,7 @@ def test_a_folder_without_tokenizer_files_says_which_and_how(capsys, folder, tmp
     tokenizer.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.move(folder / name, tokenizer / name)
-    refused(capsys, generate(folder), "no tokenizer files", "tokenizer.json", "--tokenizer")
+    refused(capsys, generate(folder), "no tokenizer vocabulary", "tokenizer.json", "--tokenizer")
     assert main(generate(folder, "--tokenizer", str(tokenizer))) == 0
 
 

@@ -75,10 +75,46 @@ def test_eager_and_sdpa_agree():
     torch.testing.assert_close(eager, sdpa, rtol=1e-5, atol=1e-5)
 
 
-def release_folder(folder: Path, seed=0) -> dict:
+# The release's chat settings at tiny ids: its base vocabulary ends with <|endoftext|> (199999 -> 49), and its chat
+# tokens follow (200018... -> 50...); generation stops on <|end|> (200020 -> 52) or <|endoftext|>.
+def tiny_id(release_id: int) -> int:
+    return 49 if release_id == 199999 else release_id - 200018 + 50
+
+
+# The chat format of the release (sambay.md, section 5), for a checkout without the released files beside it.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
+CHAT_TOKENS = ["<|endofprompt|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
+
+
+def release_tokenizer_settings(folder: Path, generation_config=True):
+    """The release's tokenizer_config.json (chat template, added tokens), special_tokens_map.json and
+    generation_config.json, with the ids moved into the tiny vocabulary; no vocabulary files (as the release)."""
+    if RELEASE.is_dir():
+        settings = json.loads((RELEASE / "tokenizer_config.json").read_text())
+        generation = json.loads((RELEASE / "generation_config.json").read_text())
+    else:
+        added = {199999: "<|endoftext|>", **{200018 + i: token for i, token in enumerate(CHAT_TOKENS)}}
+        settings = {"added_tokens_decoder": {str(i): {"content": t, "special": True} for i, t in added.items()},
+                    "chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>", "tokenizer_class": "GPT2Tokenizer"}
+        generation = {"bos_token_id": 199999, "eos_token_id": [200020, 199999], "pad_token_id": 199999}
+    settings["added_tokens_decoder"] = {str(tiny_id(int(i))): entry for i, entry in
+                                        settings["added_tokens_decoder"].items()}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    if generation_config:
+        generation.update({key: [tiny_id(i) for i in value] if isinstance(value, list) else tiny_id(value)
+                           for key, value in generation.items() if key.endswith("token_id")})
+        (folder / "generation_config.json").write_text(json.dumps(generation))
+
+
+def release_folder(folder: Path, seed=0, favour: int | None = None, generation_config=True) -> dict:
     """A folder laid out as the release: its config.json fields (flash-attention asked for, remote code and a Hub
-    tokenizer in auto_map), bf16 tensors with A_log and lambda_* in float32, two shards with an index, no lm_head."""
+    tokenizer in auto_map), bf16 tensors with A_log and lambda_* in float32, two shards with an index, no lm_head,
+    its tokenizer settings without a vocabulary. `favour`: a token id the model then predicts after anything."""
     weights = random_weights(TINY, seed=seed)
+    if favour is not None:  # logits = (0 * h + b) . E^T, b along E[favour]: that token wins everywhere
+        weights["model.final_layernorm.weight"] = torch.zeros_like(weights["model.final_layernorm.weight"])
+        weights["model.final_layernorm.bias"] = 4 * weights["model.embed_tokens.weight"][favour]
     folder.mkdir()
     config = {**json.loads((RELEASE / "config.json").read_text()), **TINY} if RELEASE.is_dir() else {
         **TINY, "model_type": "phi4flash", "_attn_implementation": "flash_attention_2", "mb_per_layer": 2,
@@ -96,6 +132,7 @@ def release_folder(folder: Path, seed=0) -> dict:
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in stored.values())},
              "weight_map": {k: file for file, keys in shards.items() for k in keys}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    release_tokenizer_settings(folder, generation_config)
     return stored
 
 
@@ -268,26 +305,69 @@ def test_the_cli_says_the_released_folder_has_no_tokenizer_and_runs_with_one(tmp
     err = capsys.readouterr().err
     if RELEASE.is_dir():
         assert "names the Hub tokenizer 'Xenova/gpt-4o'" in err
-    assert "has no tokenizer files" in err and "--tokenizer" in err
+    assert "has no tokenizer vocabulary" in err and "--tokenizer" in err
     assert main(["generate", "The assert", "--model", str(tmp_path / "release"), "--tokenizer",
-                 default_model_path()]) == 1  # 4096 tokens do not fit the tiny model's 64
-    assert "the tokenizer has 4096 tokens but the model's vocabulary has 64" in capsys.readouterr().err
+                 default_model_path()]) == 1  # 4096 tokens: <|endoftext|> cannot be at the model's id 49
+    assert "has '<|endoftext|>' at id" in capsys.readouterr().err
     word_tokenizer(tmp_path / "words")
     assert main(["generate", "the assert", "--model", str(tmp_path / "release"), "--tokenizer",
                  str(tmp_path / "words"), "--max-new-tokens", "5"]) == 0
-    assert "5 new tokens from a 2-token prompt" in capsys.readouterr().err
+    assert "new tokens from a 2-token prompt" in capsys.readouterr().err
 
 
-def word_tokenizer(folder):
-    """A word-level tokenizer of 60 words, for the tiny vocabulary."""
+def word_tokenizer(folder, end_of_text="<|endoftext|>"):
+    """A word-level tokenizer for the tiny vocabulary: 49 words, then the end-of-text token at 49, as the release's
+    base tokenizer (o200k) ends with <|endoftext|> before the chat tokens, which it lacks."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(55)] + ["the", "assert", "is", "a", "of"]
+    words = ["<unk>"] + [f"w{i}" for i in range(43)] + ["the", "assert", "is", "a", "of", end_of_text]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                            pad_token="<unk>").save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token=end_of_text, eos_token=end_of_text,
+                            pad_token=end_of_text).save_pretrained(folder)
+
+
+def test_a_tokenizer_from_elsewhere_gets_the_folders_chat_tokens_and_template(tmp_path):
+    from samba_hf.model_folder import ModelFolderError, end_of_turn_id, tokenizer_for
+
+    release_folder(tmp_path / "release")
+    word_tokenizer(tmp_path / "words")
+    tokenizer = tokenizer_for(tmp_path / "release", tmp_path / "words")
+    text = tokenizer.apply_chat_template([{"role": "system", "content": "a"}, {"role": "user", "content": "the assert"}],
+                                         tokenize=False, add_generation_prompt=True)
+    assert text == "<|system|>a<|end|><|user|>the assert<|end|><|assistant|>"
+    assert tokenizer(text, add_special_tokens=False).input_ids == [54, 47, 52, 53, 44, 45, 52, 51]
+    assert end_of_turn_id(tokenizer) == 52  # <|end|>
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "release").generation_config.eos_token_id == [52, 49]
+    word_tokenizer(tmp_path / "other", end_of_text="</s>")  # its own end token at 49: the chat tokens land one off
+    with pytest.raises(ModelFolderError, match="has '<\\|endoftext\\|>' at id 50, but the model folder's "
+                                               "tokenizer_config.json puts it at 49: it is not this model's tokenizer"):
+        tokenizer_for(tmp_path / "release", tmp_path / "other")
+
+
+def test_the_cli_chats_in_the_release_format_and_stops_at_the_end_of_the_turn(tmp_path, capsys):
+    """A model that always predicts <|end|> (52): with --chat the reply ends at once; as a plain continuation it
+    runs to --max-new-tokens (this folder has no generation_config.json: the template's end of turn is the stop)."""
+    from samba_hf.cli import main
+
+    release_folder(tmp_path / "release", favour=52, generation_config=False)
+    word_tokenizer(tmp_path / "words")
+    run = ["generate", "the assert", "--model", str(tmp_path / "release"), "--tokenizer", str(tmp_path / "words"),
+           "--max-new-tokens", "4"]
+    assert main(run) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("the assert") and out.count("<|end|>") == 4 and "4 new tokens from a 2-token prompt" in err
+    assert main(run + ["--chat", "--system", "a"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "" and "1 new tokens from a 8-token prompt" in err  # reply: <|end|>, not printed
+    assert main(["generate", "x", "--system", "a"]) == 1
+    assert "--system sets the system message of a chat: add --chat" in capsys.readouterr().err
+    word_tokenizer(tmp_path / "plain")
+    (tmp_path / "release" / "tokenizer_config.json").unlink()  # no template anywhere
+    assert main(["generate", "the assert", "--model", str(tmp_path / "release"), "--tokenizer",
+                 str(tmp_path / "plain"), "--chat"]) == 1
+    assert "the tokenizer has no chat template" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("target", ["Wqkv", "out_proj", "in_proj", "x_proj", "dt_proj", "fc1", "fc2"])

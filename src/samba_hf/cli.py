@@ -60,7 +60,7 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype):
     """(tokenizer, model) for generate: a local folder is checked in full first (`samba_hf.model_folder`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .model_folder import ModelFolderError, check_tokenizer, load_model, read_config
+    from .model_folder import ModelFolderError, check_tokenizer, load_model, read_config, tokenizer_for
 
     path = model_arg or default_model_path()
     local = os.path.isdir(path)
@@ -75,7 +75,9 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype):
     except ModelFolderError as error:
         raise UserError(str(error))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_arg or path)
+        tokenizer = tokenizer_for(path, tokenizer_arg) if local else AutoTokenizer.from_pretrained(tokenizer_arg or path)
+    except ModelFolderError as error:
+        raise UserError(str(error))
     except (OSError, ValueError, ImportError) as error:
         raise UserError(f"cannot load the tokenizer from {tokenizer_arg or path!r}: {_first_line(error)}")
     try:
@@ -121,7 +123,8 @@ def generate(args) -> int:
     if args.model is None:
         print(f"samba-hf: {DEFAULT_MODEL_NOTE}", file=sys.stderr)
 
-    input_ids = tokenizer(args.prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    text, stop_ids = chat_prompt(tokenizer, model, args.prompt, args.system) if args.chat else (args.prompt, None)
+    input_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
     if input_ids.shape[1] == 0:
         raise UserError("the prompt is empty; give some text to continue")
     limit = max_prompt_tokens(model.config)
@@ -142,10 +145,13 @@ def generate(args) -> int:
         )
     if args.prefill_chunk_size is not None and input_ids.shape[1] > args.prefill_chunk_size:
         options["prefill_chunk_size"] = args.prefill_chunk_size
+    if stop_ids is not None:
+        options["eos_token_id"] = stop_ids
 
-    sys.stdout.write(args.prompt)
-    sys.stdout.flush()
-    streamer = TextStreamer(tokenizer, skip_prompt=True)
+    if not args.chat:  # a continuation follows its prompt; a chat reply stands alone
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=args.chat)
     start = time.perf_counter()
     with torch.inference_mode():
         output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **options)
@@ -157,6 +163,29 @@ def generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def chat_prompt(tokenizer, model, prompt: str, system: str | None) -> tuple[str, list[int]]:
+    """The prompt as a user message (after an optional system message) in the tokenizer's chat template, ready for
+    the reply; and the ids to stop at: the model's end-of-text ones and the template's end of turn."""
+    from .model_folder import end_of_turn_id
+
+    if tokenizer.chat_template is None:
+        raise UserError(
+            "the tokenizer has no chat template (neither it nor the model folder defines one); leave out --chat to "
+            "continue the prompt as plain text, or pass a --tokenizer with a chat template"
+        )
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": prompt}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        end = end_of_turn_id(tokenizer)
+    except Exception as error:  # a template is a program of the tokenizer's author: any failure is theirs
+        raise UserError(f"the tokenizer's chat template fails on this message: {_first_line(error)}")
+    eos = model.generation_config.eos_token_id
+    stop = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    stop += [end] if end is not None and end not in stop else []
+    return text, stop or None
 
 
 def convert(args) -> int:

@@ -7,7 +7,10 @@ module checks the folder first and raises one `ModelFolderError` that names the 
     weights              missing, unreadable (truncated, corrupt, empty), or not the tensors config.json implies
                          (every missing, unexpected and mis-shaped tensor listed, with both shapes)
     values               NaN or inf in any tensor
-    tokenizer            no tokenizer files (say which are missing and how to add them)
+    tokenizer            no vocabulary files (say which are missing and how to add them)
+
+`tokenizer_for` gives the tokenizer to run a folder with: its own, or one from elsewhere completed with the folder's
+chat format (the released Phi-4-mini-flash-reasoning folder has a chat template and chat tokens, but no vocabulary).
 """
 
 import json
@@ -19,7 +22,6 @@ from transformers import PreTrainedConfig
 
 from .configuration_samba import SambaConfig
 from .conversion.checkpoint import Checkpoint, ConversionError, check_layout
-from .conversion.tokenizer import TOKENIZER_FILES
 
 
 class ModelFolderError(ValueError):
@@ -84,16 +86,19 @@ def check_finite(model: torch.nn.Module, path) -> None:
             )
 
 
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
 def check_tokenizer(path: str | os.PathLike) -> None:
     path = Path(path)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not any((path / name).is_file() for name in VOCABULARY_FILES):
         try:  # the released Phi-4-mini-flash-reasoning names another Hub repository's tokenizer here
             elsewhere = json.loads((path / "config.json").read_text()).get("auto_map", {}).get("AutoTokenizer")
         except (OSError, ValueError, AttributeError):
             elsewhere = None
         where = f" (its config.json names the Hub tokenizer {elsewhere!r}: download that one)" if elsewhere else ""
         raise ModelFolderError(
-            f"{str(path)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}){where}; pass --tokenizer "
+            f"{str(path)!r} has no tokenizer vocabulary (none of {', '.join(VOCABULARY_FILES)}){where}; pass --tokenizer "
             "with a tokenizer folder or Hub name, or add one with tokenizer.save_pretrained(folder)"
         )
 
@@ -109,3 +114,51 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = "auto", confi
         raise ModelFolderError(f"cannot load the weights in {path}: {str(error).strip().splitlines()[0]}") from None
     check_finite(model, path)
     return model
+
+
+def tokenizer_for(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None):
+    """The tokenizer to run the model folder `path` with: its own, or `tokenizer` (a folder or Hub name) completed
+    with what the model folder's tokenizer_config.json / chat_template.jinja define and it lacks: the added
+    tokens (each at the model's id, or ModelFolderError) and the chat template."""
+    from transformers import AddedToken, AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(tokenizer or path)
+    folder = Path(path)
+    if tokenizer is None or not folder.is_dir():
+        return loaded
+    settings = {}
+    if (folder / "tokenizer_config.json").is_file():
+        try:
+            settings = json.loads((folder / "tokenizer_config.json").read_text())
+        except (OSError, ValueError) as error:
+            raise ModelFolderError(f"{str(folder / 'tokenizer_config.json')!r} is not readable JSON ({error}); "
+                                   "fix or remove it")
+    vocabulary = loaded.get_vocab()
+    for token_id, entry in sorted(settings.get("added_tokens_decoder", {}).items(), key=lambda item: int(item[0])):
+        content = entry["content"]
+        if content not in vocabulary:  # appended: it lands at the model's id only if the ids below are all taken
+            loaded.add_tokens([AddedToken(content, special=entry.get("special", False), lstrip=entry.get("lstrip",
+                               False), rstrip=entry.get("rstrip", False), normalized=entry.get("normalized", False))],
+                              special_tokens=entry.get("special", False))
+        if loaded.convert_tokens_to_ids(content) != int(token_id):
+            raise ModelFolderError(
+                f"the tokenizer {str(tokenizer)!r} has {content!r} at id {loaded.convert_tokens_to_ids(content)}, but "
+                f"the model folder's tokenizer_config.json puts it at {token_id}: it is not this model's tokenizer; "
+                "pass the one the model was trained with"
+            )
+    template = (folder / "chat_template.jinja").read_text() if (folder / "chat_template.jinja").is_file() else (
+        settings.get("chat_template"))
+    if loaded.chat_template is None and isinstance(template, str):
+        loaded.chat_template = template
+    return loaded
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The special token the chat template closes a message with (`<|end|>` for Phi, `<|im_end|>` for ChatML), so
+    that generation stops at the end of the reply; None when the template closes it with plain text."""
+    marker = "\x00samba-hf\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                         add_generation_prompt=True)
+    after = tokenizer(text.split(marker, 1)[1], add_special_tokens=False).input_ids
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return after[0] if after and after[0] in special else None
