@@ -87,6 +87,32 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' 
 CHAT_TOKENS = ["<|endofprompt|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
 
 
+def test_kernels_that_need_one_head_size_attend_to_each_half_of_the_values():
+    """flash-attention takes values no wider than queries: differential attention then attends to each half of the
+    paired values (the release's four calls). Checked with an implementation that refuses wider values and
+    otherwise computes as sdpa."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def one_head_size(module, query, key, value, attention_mask, **kwargs):
+        assert value.shape[-1] == query.shape[-1], "values wider than queries"
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("one_head_size", one_head_size)
+    AttentionMaskInterface.register("one_head_size", sdpa_mask)
+    model, _ = tiny_model()
+    x = ids(2, 13)
+    with torch.no_grad():
+        expected = model(x).logits
+        model.config._attn_implementation = "one_head_size"
+        torch.testing.assert_close(model(x).logits, expected, rtol=1e-5, atol=1e-5)
+        cache = DynamicCache(config=model.config)
+        steps = [model(x[:, :7], past_key_values=cache).logits]
+        steps += [model(x[:, t : t + 1], past_key_values=cache).logits for t in range(7, 13)]
+    assert (torch.cat(steps, 1) - expected).abs().max() <= 1e-5 * expected.abs().max()  # float32 rounding only
+
+
 def release_tokenizer_settings(folder: Path, generation_config=True):
     """The release's tokenizer_config.json (chat template, added tokens), special_tokens_map.json and
     generation_config.json, with the ids moved into the tiny vocabulary; no vocabulary files (as the release)."""
@@ -305,6 +331,29 @@ def test_backward_reaches_every_parameter_and_checkpointing_gives_the_same_gradi
     model(x, labels=x).loss.backward()
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_packed_documents_train_as_if_run_one_by_one(implementation):
+    """Samba's packing carries over: position_ids restarting inside a row keep attention (sliding, full, cross) and
+    the Mamba conv and scan within each document; the GMU reads the memory at its own position."""
+    from transformers import DataCollatorWithFlattening
+
+    model, _ = tiny_model(seed=2)
+    model.config._attn_implementation = implementation
+    model.train()
+    docs = [ids(1, n, seed=n)[0] for n in (5, 11, 3, 9)]  # 11 and 9 > the window of 4
+    batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d.tolist()} for d in docs])
+    packed = model(**batch).loss
+    packed.backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    total = sum(torch.nn.functional.cross_entropy(model(d[None]).logits[0, :-1], d[1:], reduction="sum") for d in docs)
+    alone = total / sum(len(d) - 1 for d in docs)
+    alone.backward()
+    assert abs(packed.item() - alone.item()) <= 1e-5
+    for name, param in model.named_parameters():
+        assert (packed_grads[name] - param.grad).abs().max() <= 1e-5, name
 
 
 def test_save_pretrained_loads_with_and_without_samba_hf(tmp_path):

@@ -78,15 +78,26 @@ class SambaYDifferentialAttention(nn.Module):
         """(batch, kv_heads, kv_len, d) -> each pair's [v_2p | v_2p+1], (batch, kv_heads / 2, kv_len, 2d)."""
         return torch.cat([value[:, 0::2], value[:, 1::2]], dim=-1)
 
+    def attend(self, query, key, values, attention_mask, **options):
+        """One softmax attention through transformers' interface, values twice as wide as queries and keys. Eager and
+        sdpa take that as it is; kernels that need one head size (flash-attention) attend to each half of the values
+        and the halves are put back side by side (the release's four flash calls per layer)."""
+        implementation = self.config._attn_implementation
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        if implementation in ("eager", "sdpa"):
+            return attention(self, query, key, values, attention_mask, **options)
+        halves = [attention(self, query, key, half.contiguous(), attention_mask, **options)
+                  for half in values.chunk(2, dim=-1)]
+        return torch.cat([out for out, _ in halves], dim=-1), halves[0][1]
+
     def forward(self, query, key, values, attention_mask, **kwargs) -> tuple[torch.Tensor, tuple]:
         # query (batch, heads, q_len, d); key (batch, kv_heads, kv_len, d); values: `pair_values` of the values
         # -> (batch, q_len, heads * d)
         batch, _, q_len, _ = query.shape
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         options = dict(scaling=self.scaling, sliding_window=self.sliding_window,
                        dropout=self.config.attention_dropout if self.training else 0.0, **kwargs)
-        out1, weights1 = attention(self, query[:, 0::2], key[:, 0::2], values, attention_mask, **options)
-        out2, weights2 = attention(self, query[:, 1::2], key[:, 1::2], values, attention_mask, **options)
+        out1, weights1 = self.attend(query[:, 0::2], key[:, 0::2], values, attention_mask, **options)
+        out2, weights2 = self.attend(query[:, 1::2], key[:, 1::2], values, attention_mask, **options)
         # (batch, q_len, heads / 2, 2d)
         lambda_1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1, dim=-1).float())
         lambda_2 = torch.exp(torch.sum(self.lambda_q2 * self.lambda_k2, dim=-1).float())
