@@ -78,3 +78,30 @@ def test_model_on_gpu_matches_cpu(attn):
     # chunked continuation from the cache (multi-token from a cached state) on the GPU
     if dtype == torch.float32:
         assert torch.equal(_greedy(gpu, ids[:, :10].cuda(), 20).cpu(), _greedy(cpu, ids[:, :10], 20))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_sambay_on_gpu_matches_cpu_and_trains(attn):
+    """SambaY: the Mamba kernels where installed, and flash-attention's one-head-size path for differential
+    attention (each half of the paired values)."""
+    from test_sambay import ids as sambay_ids
+    from test_sambay import tiny_model as sambay_model
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("needs flash-attn")
+    cpu, _ = sambay_model(seed=1)
+    gpu, _ = sambay_model(seed=1)
+    dtype = torch.bfloat16 if attn == "flash_attention_2" else torch.float32
+    gpu = gpu.cuda().to(dtype)
+    gpu.set_attn_implementation(attn)
+    x = sambay_ids(2, 40)
+    with torch.no_grad():
+        ref = cpu(x).logits
+        out = gpu(x.cuda()).logits.float().cpu()
+    tol = 1e-4 if dtype == torch.float32 else 4e-2
+    assert (out - ref).abs().max() <= tol * ref.abs().max()
+    if dtype == torch.float32:
+        assert torch.equal(_greedy(gpu, x[:, :3].cuda(), 12).cpu(), _greedy(cpu, x[:, :3], 12))
+    gpu.train()
+    gpu(x.cuda(), labels=x.cuda()).loss.backward()
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpu.parameters())
