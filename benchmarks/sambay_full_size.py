@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from run_benchmarks import peak_rss_mib  # this folder is on sys.path when the script runs
+
 HERE = Path(__file__).resolve().parent
 RELEASE_CONFIG = HERE.parents[1] / "shared" / "design" / "sambay" / "config.json"
 LLAMA_MLP = 11008  # 3,846,801,920 parameters against SambaY's 3,852,562,944
@@ -61,13 +63,6 @@ def reset_peak():
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
-
-
-def peak_rss_gib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
 
 
 def bf16_matmul_speed() -> dict:
@@ -172,7 +167,7 @@ def worker(args) -> dict:
         for param in model.parameters():  # safetensors maps the file: read every weight once
             int(param.detach().view(torch.uint8).max())
         result["load_and_read_s"] = time.perf_counter() - start
-        result["peak_gib_after_load"] = peak_rss_gib()
+        result["peak_gib_after_load"] = peak_rss_mib() / 1024
         model.config._attn_implementation = "sdpa"
         print(f"[{name}] {result['parameters']:,} parameters, loaded in {result['load_s']:.1f} s, read in "
               f"{result['load_and_read_s']:.1f} s", file=sys.stderr)
@@ -189,13 +184,12 @@ def worker(args) -> dict:
 
 
 def decode(model, name, args, result):
-
     result["decode_tokens_per_s"], result["cache_bytes"], result["peak_gib_decode"] = {}, {}, {}
     for context in args.decode:
         reset_peak()
         rate, size = time_decode(model, name, context, args.steps)
         result["decode_tokens_per_s"][context], result["cache_bytes"][context] = rate, size
-        result["peak_gib_decode"][context] = peak_rss_gib()
+        result["peak_gib_decode"][context] = peak_rss_mib() / 1024
         print(f"[{name}] decode at {context}: {rate:.3f} tokens/s, cache {size / 2**20:.1f} MiB", file=sys.stderr)
         gc.collect()
     if name == "sambay":
@@ -211,7 +205,7 @@ def prefill(model, name, args, result):
     for length in args.prefill:
         reset_peak()
         result["prefill_s"][length] = time_prefill(model, length, 1)
-        result["peak_gib_prefill"][length] = peak_rss_gib()
+        result["peak_gib_prefill"][length] = peak_rss_mib() / 1024
         print(f"[{name}] prefill {length}: {result['prefill_s'][length]:.1f} s", file=sys.stderr)
         if name == "sambay" and length in args.whole_cross_decoder_at:
             # the same logits, but the cross-decoder runs on every position (as the release's prefill does)

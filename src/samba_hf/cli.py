@@ -58,7 +58,7 @@ def resolve_dtype(name: str, device):
 
 def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype):
     """(tokenizer, model) for generate: a local folder is checked in full first (`samba_hf.model_folder`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from .model_folder import ModelFolderError, check_tokenizer, load_model, read_config, tokenizer_for
 
@@ -75,7 +75,7 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype):
     except ModelFolderError as error:
         raise UserError(str(error))
     try:
-        tokenizer = tokenizer_for(path, tokenizer_arg) if local else AutoTokenizer.from_pretrained(tokenizer_arg or path)
+        tokenizer = tokenizer_for(path, tokenizer_arg)
     except ModelFolderError as error:
         raise UserError(str(error))
     except (OSError, ValueError, ImportError) as error:
@@ -165,7 +165,7 @@ def generate(args) -> int:
     return 0
 
 
-def chat_prompt(tokenizer, model, prompt: str, system: str | None) -> tuple[str, list[int]]:
+def chat_prompt(tokenizer, model, prompt: str, system: str | None) -> tuple[str, list[int] | None]:
     """The prompt as a user message (after an optional system message) in the tokenizer's chat template, ready for
     the reply; and the ids to stop at: the model's end-of-text ones and the template's end of turn."""
     from .model_folder import end_of_turn_id

@@ -117,9 +117,9 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = "auto", confi
 
 
 def tokenizer_for(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None):
-    """The tokenizer to run the model folder `path` with: its own, or `tokenizer` (a folder or Hub name) completed
-    with what the model folder's tokenizer_config.json / chat_template.jinja define and it lacks: the added
-    tokens (each at the model's id, or ModelFolderError) and the chat template."""
+    """The tokenizer to run the model folder (or Hub name) `path` with: its own, or `tokenizer` (a folder or Hub
+    name), completed from a local model folder with what its tokenizer_config.json / chat_template.jinja define and
+    the tokenizer lacks: the added tokens (each at the model's id, or ModelFolderError) and the chat template."""
     from transformers import AddedToken, AutoTokenizer
 
     loaded = AutoTokenizer.from_pretrained(tokenizer or path)

@@ -270,10 +270,10 @@ class SambaYModel(SambaYPreTrainedModel, SambaModel):
         cross_start = self.config.block_types.index("full_attention") + 1
         for index, decoder_layer in enumerate(self.layers):
             if index == cross_start and keep_last is not None and keep_last < hidden_states.shape[1]:
+                if keep_last == 0:  # no position of this piece is asked for (a chunk before the kept ones)
+                    return hidden_states[:, :0]
                 cross_mask = self._cross_decoder_mask(mask_mapping["full_attention"], keep_last, shared_kv[0].shape[-2])
                 if cross_mask is not False:
-                    if keep_last == 0:
-                        return hidden_states[:, :0]
                     hidden_states, memory = hidden_states[:, -keep_last:], memory[:, -keep_last:]
                     mask_mapping = {**mask_mapping, "full_attention": cross_mask}
             hidden_states, memory, shared_kv = decoder_layer(
@@ -289,11 +289,11 @@ class SambaYModel(SambaYPreTrainedModel, SambaModel):
         return hidden_states
 
     def _cross_decoder_mask(self, mask, keep_last: int, kv_len: int):
-        """The full-attention mask for queries at the last `keep_last` positions only, or False where this
+        """The full-attention mask for queries at the last `keep_last` (>= 1) positions only, or False where this
         implementation's mask cannot be cut (the cross-decoder then runs on every position)."""
         implementation = self.config._attn_implementation
         if isinstance(mask, torch.Tensor) and mask.ndim == 4:  # (batch, 1, q_len, kv_len): keep the last rows
-            return mask[:, :, -keep_last:] if keep_last else mask
+            return mask[:, :, -keep_last:]
         if implementation.startswith("flash") and (mask is None or isinstance(mask, torch.Tensor)):
             return mask  # flash-attention aligns a shorter causal query block with the end of the keys itself
         if implementation == "sdpa" and mask is None:  # causal, left out: query i sees keys up to kv_len - keep + i
