@@ -171,7 +171,7 @@ def main():
     package(model, tokenizer, report, args.out)
 
 
-def package(model, tokenizer, report: dict, out: str):
+def package(model, tokenizer, report: dict, out: str, card: str | None = None):
     """Write the folder as save_pretrained does (weights, config with auto_map, the modeling code, so tools that do
     not import samba_hf load it with trust_remote_code), stored in bfloat16 (A_log and D stay float32: half the
     size, the same held-out perplexity to 0.01), with its tokenizer, training report and model card."""
@@ -190,9 +190,9 @@ def package(model, tokenizer, report: dict, out: str):
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     Path(out, "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    Path(out, "README.md").write_text(CARD.format(metadata=hub_metadata(license="apache-2.0"), **report))
-    if Path(out).resolve() == Path(default_model_path()).resolve():
-        # the shipped folder links the package's own code instead of copies that would go stale
+    Path(out, "README.md").write_text((card or CARD).format(metadata=hub_metadata(license="apache-2.0"), **report))
+    if Path(out).resolve().parent == Path(default_model_path()).resolve().parent:
+        # a folder shipped in the package links the package's own code instead of copies that would go stale
         for link in code:
             link.unlink()
             link.symlink_to(Path("..", link.name))

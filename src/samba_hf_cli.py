@@ -8,6 +8,10 @@
                      [--tokenizer PATH] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
                      [--verify | --no-verify] [--push-to-hub REPO] [--force]
     samba-hf export lit-gpt SRC OUT [--force]
+    samba-hf eval passkey [--lengths N,N,..] [--depths D,D,..] [--trials N]   (common: [--model PATH_OR_NAME]
+    samba-hf eval phonebook [--lengths N,N,..] [--trials N]                     [--tokenizer ..] [--seed S] [--out DIR]
+    samba-hf eval perplexity [--text FILE] [--max-tokens N] [--bucket N]        [--force] [--prefill-chunk-size N]
+                                                                                [--dtype ..] [--device ..])
 
 This module imports only the standard library, so `samba-hf --help` and mistakes in the arguments answer at once;
 torch, transformers and the model come in with `samba_hf.cli`, which runs the commands. Every user mistake ends
@@ -63,6 +67,42 @@ def check_generate_arguments(args) -> None:
         raise UserError(f"--top-k must be 0 (no limit) or more, got {args.top_k}")
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise UserError(f"--seed must be between 0 and 2**64 - 1, got {args.seed}")
+
+
+def _positive_list(flag: str, text: str, kind=int) -> list:
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated {'whole numbers' if kind is int else 'numbers'}, got {text!r}")
+    if not values:
+        raise UserError(f"{flag} is empty; give at least one value, e.g. {flag} {'1024,4096' if kind is int else '0,0.5,1'}")
+    return values
+
+
+def check_eval_arguments(args) -> None:
+    """What can be wrong with `eval`'s arguments without loading anything."""
+    for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer), ("--out", args.out)):
+        if value is not None and not value.strip():
+            raise UserError(f"{flag} is empty; give a value or leave {flag} out")
+    if args.task in ("passkey", "phonebook"):
+        args.lengths = _positive_list("--lengths", args.lengths)
+        if min(args.lengths) < 1:
+            raise UserError(f"--lengths must be token counts of at least 1, got {min(args.lengths)}")
+        if args.trials < 1:
+            raise UserError("--trials must be at least 1")
+    if args.task == "passkey":
+        args.depths = _positive_list("--depths", args.depths, float)
+        if not all(0 <= d <= 1 for d in args.depths):  # NaN fails too
+            raise UserError(f"--depths are fractions of the filler before the key, from 0 to 1; got {args.depths}")
+    if args.task == "perplexity":
+        if args.bucket < 1:
+            raise UserError("--bucket must be at least 1 token")
+        if args.max_tokens is not None and args.max_tokens < 2:
+            raise UserError("--max-tokens must be at least 2 (the first token is not scored)")
+    if args.prefill_chunk_size < 1:
+        raise UserError("--prefill-chunk-size must be at least 1")
+    if args.seed < 0:
+        raise UserError(f"--seed must be 0 or more, got {args.seed}")
 
 
 class Parser(argparse.ArgumentParser):
@@ -127,6 +167,41 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("out", help="the .pth file to write ({'model': state_dict}, as the official eval.py loads)")
     exp.add_argument("--force", action="store_true", help="replace OUT when it is an earlier export")
     exp.set_defaults(command_name="export", check=None)
+
+    ev = commands.add_parser("eval", help="long-context evaluations of any causal LM: passkey, phonebook, perplexity")
+    tasks = ev.add_subparsers(dest="task", required=True)
+    helps = {
+        "passkey": "find a 5-digit key hidden at a depth of repeated filler text (the Samba paper's Figure 3)",
+        "phonebook": "look up one name's number in a phonebook of the given length",
+        "perplexity": "perplexity per position bucket of one long text, read in one pass through the cache",
+    }
+    for task, text in helps.items():
+        t = tasks.add_parser(task, help=text, description=text)
+        t.add_argument("--model", default=None,
+                       help="a model folder or Hub name, any causal LM transformers loads (default: the embedded "
+                            + ("passkey-tuned Samba)" if task == "passkey" else "default Samba)"))
+        t.add_argument("--tokenizer", default=None, help="default: the model folder's")
+        if task == "passkey":
+            t.add_argument("--lengths", default="512,2048,8192,32768", help="prompt lengths in tokens")
+            t.add_argument("--depths", default="0,0.5,1", help="where the key sits: 0 = first, 1 = last")
+            t.add_argument("--trials", type=int, default=2, help="prompts (keys) per length and depth")
+        elif task == "phonebook":
+            t.add_argument("--lengths", default="256,512,1024,2048", help="prompt lengths in tokens")
+            t.add_argument("--trials", type=int, default=5, help="phonebooks per length")
+        else:
+            t.add_argument("--text", default=None, metavar="FILE",
+                           help="a UTF-8 text file (default: Python's own documentation topics, pydoc_data)")
+            t.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
+            t.add_argument("--bucket", type=int, default=512, help="tokens per position bucket")
+        t.add_argument("--seed", type=int, default=0, help="the same seed gives the same prompts")
+        t.add_argument("--out", default=None, metavar="DIR",
+                       help=f"write {task}.json and {task}.png into DIR (created if needed)")
+        t.add_argument("--force", action="store_true", help=f"replace {task}.json / {task}.png in --out")
+        t.add_argument("--prefill-chunk-size", type=int, default=2048,
+                       help="long prompts go through the cache this many tokens at a time (bounded memory)")
+        t.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+        t.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
+        t.set_defaults(command_name="eval", check=check_eval_arguments)
     return parser
 
 

@@ -23,8 +23,19 @@ DEFAULT_MODEL_NOTE = (
 )
 
 
-def default_model_path() -> str:
-    return str(resources.files("samba_hf") / "default_model")
+EMBEDDED_MODELS = {"default": "default_model", "passkey": "passkey_model"}
+PASSKEY_MODEL_NOTE = (
+    "embedded passkey model: a 5.9M-parameter Samba trained at 512 tokens and fine-tuned on 512-token passkey "
+    "prompts (examples/long_context.py, LONG_CONTEXT.md); pass --model to evaluate another model"
+)
+
+
+def default_model_path(name: str = "default") -> str:
+    """The folder of a model that ships with samba-hf: "default" (what `generate` runs) or "passkey" (the Samba
+    fine-tuned for passkey retrieval at 512 tokens, what `eval passkey` runs)."""
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(f"no embedded model {name!r}; there are {', '.join(map(repr, EMBEDDED_MODELS))}")
+    return str(resources.files("samba_hf") / EMBEDDED_MODELS[name])
 
 
 def resolve_device(name: str):
@@ -56,20 +67,23 @@ def resolve_dtype(name: str, device):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype):
-    """(tokenizer, model) for generate: a local folder is checked in full first (`samba_hf.model_folder`)."""
+def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype, any_model: bool = False,
+         default: str = "default"):
+    """(tokenizer, model) for generate / eval: a local folder is checked in full first (`samba_hf.model_folder`).
+    `any_model`: any causal LM transformers loads (eval), not only Samba / SambaY (generate)."""
     from transformers import AutoModelForCausalLM
 
-    from .model_folder import ModelFolderError, check_tokenizer, load_model, read_config, tokenizer_for
+    from .model_folder import ModelFolderError, check_tokenizer, load_model, model_classes, read_config, tokenizer_for
 
-    path = model_arg or default_model_path()
+    path = model_arg or default_model_path(default)
     local = os.path.isdir(path)
     if not local and (not _looks_like_hub_name(path) or os.path.exists(path)):
         # a path (not an "org/name" Hub id) that is not a folder
         raise UserError(f"no such model folder: {path!r}" if not os.path.exists(path) else
                         f"{path!r} is a file; --model takes a model folder (config.json, weights, tokenizer)")
+    samba_folder = local and (not any_model or _folder_model_type(path) in model_classes())
     try:
-        config = read_config(path) if local else None  # what is wrong with config.json is said first
+        config = read_config(path) if samba_folder else None  # what is wrong with config.json is said first
         if local and tokenizer_arg is None:
             check_tokenizer(path)
     except ModelFolderError as error:
@@ -81,12 +95,12 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype):
     except (OSError, ValueError, ImportError) as error:
         raise UserError(f"cannot load the tokenizer from {tokenizer_arg or path!r}: {_first_line(error)}")
     try:
-        model = load_model(path, dtype, config) if local else AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = load_model(path, dtype, config) if samba_folder else _load_other(path, dtype)
     except ModelFolderError as error:
         raise UserError(str(error))
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, KeyError) as error:
         raise UserError(f"cannot load model {path!r}: {_first_line(error)}")
-    if getattr(model.config, "model_type", None) not in ("samba", "phi4flash"):
+    if not any_model and getattr(model.config, "model_type", None) not in ("samba", "phi4flash"):
         raise UserError(f"{path!r} is a {model.config.model_type!r} model, not a Samba (or SambaY) model")
     if len(tokenizer) > model.config.vocab_size:
         raise UserError(
@@ -94,6 +108,33 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype):
             "they do not belong together; pass the model's own tokenizer with --tokenizer"
         )
     return tokenizer, model.to(device).eval()
+
+
+def _folder_model_type(path: str) -> str | None:
+    import json
+
+    try:
+        return json.loads(open(os.path.join(path, "config.json"), encoding="utf-8").read()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # read_config says what is wrong with it
+
+
+def _load_other(path: str, dtype):
+    """Any causal LM through AutoModelForCausalLM, refused when a weight did not come from its files."""
+    from transformers import AutoModelForCausalLM
+
+    from .model_folder import ModelFolderError, check_finite
+
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelFolderError(f"{path!r} is not a model folder (no config.json in it)")
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    missing = info.get("missing_keys") or []
+    if missing:
+        shown = ", ".join(sorted(missing)[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelFolderError(f"the weights in {path} lack {shown}: the files are incomplete or belong to another "
+                               "model; nothing was run with made-up weights")
+    check_finite(model, path)
+    return model
 
 
 def _first_line(error: Exception) -> str:
@@ -227,7 +268,140 @@ def export(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": generate, "convert": convert, "export": export}
+def evaluate(args) -> int:
+    """`samba-hf eval passkey | phonebook | perplexity`: a table on stdout; JSON and a plot in --out if given."""
+    import json
+    import random
+
+    import torch
+
+    from . import evaluation
+
+    outputs = _eval_outputs(args)  # refused before anything is loaded or run
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    default = "passkey" if args.task == "passkey" else "default"
+    tokenizer, model = load(args.model, args.tokenizer, device, dtype, any_model=True, default=default)
+    if args.model is None:
+        print(f"samba-hf: {PASSKEY_MODEL_NOTE if default == 'passkey' else DEFAULT_MODEL_NOTE}", file=sys.stderr)
+    name = args.model or f"embedded {default} model"
+    torch.manual_seed(args.seed)
+    chunk = args.prefill_chunk_size
+
+    if args.task in ("passkey", "phonebook"):
+        for length in args.lengths:  # a length too short for the prompt is said before anything runs
+            try:
+                if args.task == "passkey":
+                    evaluation.passkey_prompt(tokenizer, length, 0.5, "1" * 5)
+                else:
+                    evaluation.phonebook_prompt(tokenizer, length, random.Random(0))
+            except ValueError as error:
+                raise UserError(f"--lengths {length}: {error}")
+        _note_positions(model, max(args.lengths))
+    if args.task == "passkey":
+        result = evaluation.passkey_eval(model, tokenizer, args.lengths, args.depths, args.trials, args.seed,
+                                         prefill_chunk_size=chunk, progress=True)
+        print(f"passkey accuracy of {name} ({args.trials} trials per cell); rows: depth, columns: length")
+        print("depth  " + "".join(f"{n:>8}" for n in args.lengths))
+        for depth in args.depths:
+            cells = {c["length"]: c["accuracy"] for c in result["cells"] if c["depth"] == depth}
+            print(f"{depth:<7.2f}" + "".join(f"{cells[n]:>8.0%}" for n in args.lengths))
+    elif args.task == "phonebook":
+        result = evaluation.phonebook_eval(model, tokenizer, args.lengths, args.trials, args.seed,
+                                           prefill_chunk_size=chunk, progress=True)
+        print(f"phonebook accuracy of {name} ({args.trials} trials per length)")
+        for row in result["rows"]:
+            print(f"{row['length']:>8} tokens  {row['accuracy']:>5.0%}")
+    else:
+        ids = _perplexity_ids(args, tokenizer)
+        _note_positions(model, ids.numel())
+        result = evaluation.perplexity_by_position(model, ids, args.bucket, chunk, progress=True)
+        print(f"perplexity of {name} on {args.text or 'Python documentation topics'} ({ids.numel():,} tokens) by "
+              "position")
+        for bucket in result["buckets"]:
+            print(f"{bucket['start']:>8} - {bucket['end']:<8} {bucket['perplexity']:>10.2f}")
+    result.update(model=name, command="samba-hf " + " ".join(args.argv))
+    if outputs:
+        _write_results(result, args, outputs)
+    return 0
+
+
+def _eval_outputs(args) -> tuple | None:
+    """The (json, png) paths in --out, refused when they exist (unless --force) or cannot be made."""
+    if args.out is None:
+        return None
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UserError(f"--out {args.out!r} is a file; give a folder to write {args.task}.json and {args.task}.png in")
+    paths = tuple(os.path.join(args.out, f"{args.task}.{ext}") for ext in ("json", "png"))
+    taken = [p for p in paths if os.path.exists(p)]
+    if taken and not args.force:
+        raise UserError(f"{taken[0]} exists; pass --force to replace it, or another --out")
+    return paths
+
+
+def _write_results(result: dict, args, paths) -> None:
+    """JSON, and the plot when matplotlib is there; each written to a temporary name and renamed when complete."""
+    import json
+
+    from . import evaluation
+
+    os.makedirs(args.out, exist_ok=True)
+    json_path, png_path = paths
+    _atomic_write(json_path, lambda tmp: open(tmp, "w").write(json.dumps(result, indent=1) + "\n"))
+    written = [json_path]
+    plot = {"passkey": lambda p: evaluation.plot_passkey(result, p, f"passkey: {result['model']}"),
+            "phonebook": lambda p: evaluation.plot_phonebook({result["model"]: result}, p),
+            "perplexity": lambda p: evaluation.plot_perplexity({result["model"]: result}, p)}[args.task]
+    try:
+        _atomic_write(png_path, lambda tmp: plot(tmp))
+        written.append(png_path)
+    except ImportError as error:
+        print(f"samba-hf: no plot written: {error}", file=sys.stderr)
+    print(f"samba-hf: wrote {' and '.join(written)}", file=sys.stderr)
+
+
+def _atomic_write(path: str, write) -> None:
+    base, ext = os.path.splitext(path)
+    temporary = f"{base}.{os.getpid()}.partial{ext}"  # same extension: matplotlib picks the format from it
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _perplexity_ids(args, tokenizer):
+    from .evaluation import default_text
+
+    if args.text is None:
+        text = default_text()
+    else:
+        if not os.path.isfile(args.text):
+            raise UserError(f"--text {args.text!r}: no such file" if not os.path.exists(args.text) else
+                            f"--text {args.text!r} is not a file; give a UTF-8 text file")
+        try:
+            text = open(args.text, encoding="utf-8").read()
+        except UnicodeDecodeError as error:
+            raise UserError(f"--text {args.text!r} is not UTF-8 text ({error.reason} at byte {error.start}); "
+                            "convert it to UTF-8")
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    if args.max_tokens is not None:
+        ids = ids[: args.max_tokens]
+    if ids.numel() < 2:
+        raise UserError(f"the text has {ids.numel()} token(s); perplexity needs at least 2")
+    return ids
+
+
+def _note_positions(model, length: int) -> None:
+    """Full attention past its trained positions is measured as asked, but said."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and length > limit and "samba" not in str(getattr(model.config, "model_type", "")):
+        print(f"samba-hf: note: {length} tokens is past this model's max_position_embeddings ({limit}); measured "
+              "there as asked", file=sys.stderr)
+
+
+COMMANDS = {"generate": generate, "convert": convert, "export": export, "eval": evaluate}
 
 __all__ = ["COMMANDS", "UserError", "default_model_path", "main"]
 

@@ -1,0 +1,322 @@
+"""The Samba paper's long-context result (Figures 3-4), reproduced at small scale on a CPU.
+
+Three models of the same size (~5.9M parameters, 6 layers, hidden 256), trained with the same recipe on the same
+data at 512 tokens:
+  samba    Mamba + sliding-window attention (window 256), samba-hf's SambaForCausalLM
+  mistral  sliding-window attention only (window 256), transformers' MistralForCausalLM
+  llama    full attention, transformers' LlamaForCausalLM
+Each is pretrained on the English text that ships with Python (as examples/train_tiny.py), then fine-tuned on
+passkey prompts of 512 tokens (the paper: 500 steps at its training length), and measured far past 512 tokens:
+passkey retrieval (the fine-tuned models) and perplexity vs position (the pretrained ones).
+
+    python examples/long_context.py train samba        # then mistral, llama; each writes out/long_context/ARCH-*
+    python examples/long_context.py evaluate           # writes long_context/*.json, *.png (committed)
+    python examples/long_context.py ship               # the passkey Samba -> src/samba_hf/passkey_model
+
+`train` and `evaluate` print what they do; `--help` on each lists the knobs (the defaults are what LONG_CONTEXT.md
+reports). Checkpoints go to out/long_context (git-ignored).
+"""
+
+import argparse
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_tiny import SPECIAL, Blocks, documents, package, stream  # noqa: E402  (the same corpus and packaging)
+
+from samba_hf import SambaConfig, SambaForCausalLM  # noqa: E402
+from samba_hf.evaluation import (passkey_eval, passkey_prompt, perplexity_by_position, plot_passkey,  # noqa: E402
+                                 plot_perplexity, random_digits)
+
+WORK = Path("out/long_context")
+RESULTS = Path("long_context")
+TRAINING_LENGTH = 512
+WINDOW = 256
+SHAPE = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+# Samba's Mamba layers hold a little more than attention layers: the attention-only models get a narrower MLP so
+# all three have the same parameter count (within 0.1%).
+INTERMEDIATE = {"samba": 640, "mistral": 570, "llama": 570}
+
+
+def build(arch: str, vocab_size: int):
+    common = dict(SHAPE, vocab_size=vocab_size, intermediate_size=INTERMEDIATE[arch])
+    if arch == "samba":
+        return SambaForCausalLM(SambaConfig(**common, sliding_window=WINDOW))
+    if arch == "mistral":
+        return MistralForCausalLM(MistralConfig(**common, sliding_window=WINDOW,
+                                                max_position_embeddings=TRAINING_LENGTH))
+    return LlamaForCausalLM(LlamaConfig(**common, max_position_embeddings=TRAINING_LENGTH))
+
+
+def split_documents():
+    """train_tiny's corpus; 15% of the documents are held out (about 40K tokens: the long perplexity text)."""
+    docs = documents()
+    held_out = len(docs) * 15 // 100
+    return docs[held_out:], docs[:held_out]
+
+
+def tokenizer_for_experiment(train_docs) -> PreTrainedTokenizerFast:
+    """A 4,096-token byte-level BPE whose digits are single tokens (as Llama's), so a key is copied digit by digit.
+    Trained once and shared by the three models."""
+    path = WORK / "tokenizer"
+    if (path / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(path)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=4096, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(train_docs, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", model_max_length=1_000_000)
+    fast.save_pretrained(path)
+    return fast
+
+
+class PasskeySamples(torch.utils.data.Dataset):
+    """Passkey prompts of `length` tokens, the key at a random depth; the loss is on the answer's tokens only.
+    Sample i is the same in every run (its own seeded generator)."""
+
+    def __init__(self, tokenizer, count: int, length: int):
+        self.tokenizer, self.count, self.length = tokenizer, count, length
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, i):
+        rng = random.Random(f"passkey-train-{i}")
+        key = random_digits(rng, 5)
+        prompt = passkey_prompt(self.tokenizer, self.length, rng.random(), key)
+        target = self.tokenizer(" " + key, add_special_tokens=False).input_ids
+        ids = prompt.input_ids + target
+        labels = [-100] * len(prompt.input_ids) + target
+        return {"input_ids": ids[-self.length :], "labels": labels[-self.length :]}
+
+
+def pad_right(batch, pad_id: int):
+    """Right padding (pad tokens come after every real one, so a causal model's loss is unchanged), labels -100."""
+    width = max(len(b["input_ids"]) for b in batch)
+    ids = torch.full((len(batch), width), pad_id)
+    labels = torch.full((len(batch), width), -100)
+    for row, b in enumerate(batch):
+        ids[row, : len(b["input_ids"])] = torch.tensor(b["input_ids"])
+        labels[row, : len(b["labels"])] = torch.tensor(b["labels"])
+    return {"input_ids": ids, "labels": labels}
+
+
+def run_trainer(model, dataset, steps: int, lr: float, batch_size: int, collator=None) -> float:
+    args = TrainingArguments(
+        output_dir=str(WORK / "trainer"), max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
+        lr_scheduler_type="cosine", warmup_steps=max(1, steps // 10), weight_decay=0.1, adam_beta2=0.95,
+        max_grad_norm=1.0, logging_steps=25, save_strategy="no", report_to=[], seed=0, dataloader_drop_last=True,
+        use_cpu=True,
+    )
+    start = time.perf_counter()
+    Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator).train()
+    return (time.perf_counter() - start) / 60
+
+
+def save(model, tokenizer, folder: Path, report: dict):
+    model.config.use_cache = True
+    model.generation_config.max_length = None
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def train(args):
+    torch.manual_seed(0)
+    train_docs, held_docs = split_documents()
+    tokenizer = tokenizer_for_experiment(train_docs)
+    ids = stream(tokenizer, train_docs)
+    model = build(args.arch, len(tokenizer))
+    print(f"{args.arch}: {model.num_parameters():,} parameters; {len(ids):,} training tokens in blocks of "
+          f"{TRAINING_LENGTH}", flush=True)
+    report = {"arch": args.arch, "parameters": model.num_parameters(), "training_length": TRAINING_LENGTH,
+              "window": WINDOW if args.arch != "llama" else None, "training_tokens": len(ids),
+              "command": shlex.join(["python", "examples/long_context.py", *sys.argv[1:]])}
+
+    minutes = run_trainer(model, Blocks(ids, TRAINING_LENGTH), args.pretrain_steps, args.lr, args.batch_size)
+    report.update(pretrain_steps=args.pretrain_steps, pretrain_minutes=round(minutes, 1))
+    held = Blocks(stream(tokenizer, held_docs), TRAINING_LENGTH)
+    model.eval()
+    with torch.no_grad():
+        losses = [model(**{k: v[None] for k, v in held[i].items()}).loss.item() for i in range(len(held))]
+    report["held_out_perplexity_at_512"] = round(math.exp(sum(losses) / len(losses)), 2)
+    print(f"pretrained in {minutes:.1f} min; held-out perplexity {report['held_out_perplexity_at_512']}", flush=True)
+    save(model, tokenizer, WORK / f"{args.arch}-base", report)
+
+    model.train()
+    samples = PasskeySamples(tokenizer, args.passkey_steps * args.batch_size, TRAINING_LENGTH)
+    minutes = run_trainer(model, samples, args.passkey_steps, args.passkey_lr, args.batch_size,
+                          collator=lambda batch: pad_right(batch, tokenizer.pad_token_id))
+    report.update(passkey_steps=args.passkey_steps, passkey_minutes=round(minutes, 1))
+    model.eval()
+    check = passkey_eval(model, tokenizer, [TRAINING_LENGTH], [0.0, 0.5, 1.0], trials=10, seed=1)
+    report["passkey_accuracy_at_512"] = sum(c["accuracy"] for c in check["cells"]) / len(check["cells"])
+    print(f"passkey-tuned in {minutes:.1f} min; accuracy at {TRAINING_LENGTH}: {report['passkey_accuracy_at_512']}")
+    save(model, tokenizer, WORK / f"{args.arch}-passkey", report)
+
+
+def evaluate(args):
+    RESULTS.mkdir(exist_ok=True)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    depths = [float(d) for d in args.depths.split(",")]
+    command = shlex.join(["python", "examples/long_context.py", *sys.argv[1:]])
+    perplexities = {}
+    for arch in args.archs.split(","):
+        if "passkey" in args.tasks:
+            folder = WORK / f"{arch}-passkey"
+            tokenizer, model = AutoTokenizer.from_pretrained(folder), load(folder)
+            start = time.perf_counter()
+            result = passkey_eval(model, tokenizer, lengths, depths, trials=args.trials, seed=args.seed,
+                                  prefill_chunk_size=args.prefill_chunk_size, progress=True)
+            result.update(model=arch, command=command, minutes=round((time.perf_counter() - start) / 60, 1),
+                          device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+            (RESULTS / f"passkey_{arch}.json").write_text(json.dumps(result, indent=1) + "\n")
+            plot_passkey(result, RESULTS / f"passkey_{arch}.png", f"{arch}: passkey accuracy (%), trained at 512")
+            print(arch, "passkey", {c["length"]: c["accuracy"] for c in result["cells"] if c["depth"] == 0.0},
+                  flush=True)
+        if "perplexity" in args.tasks:
+            folder = WORK / f"{arch}-base"
+            tokenizer, model = AutoTokenizer.from_pretrained(folder), load(folder)
+            perplexities[arch] = perplexity_over_orders(model, tokenizer, args)
+            perplexities[arch].update(model=arch, command=command,
+                                      device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+            (RESULTS / f"perplexity_{arch}.json").write_text(json.dumps(perplexities[arch], indent=1) + "\n")
+    plot(args)
+
+
+def plot(args=None):
+    """The figures that combine the models, from whatever results/*.json there are (each model may be evaluated
+    by a separate run, on another machine)."""
+    results = {kind: {arch: json.loads((RESULTS / f"{kind}_{arch}.json").read_text()) for arch in INTERMEDIATE
+                      if (RESULTS / f"{kind}_{arch}.json").exists()} for kind in ("passkey", "perplexity")}
+    if results["perplexity"]:
+        plot_perplexity(results["perplexity"], RESULTS / "perplexity.png",
+                        "held-out perplexity vs position, trained at 512", training_length=TRAINING_LENGTH)
+    if results["passkey"]:
+        # accuracy over all depths per length, one line per model (the paper's Figure 3 view)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for arch, result in results["passkey"].items():
+            mean = [sum(c["accuracy"] for c in result["cells"] if c["length"] == n) / len(result["depths"])
+                    for n in result["lengths"]]
+            ax.plot(result["lengths"], mean, marker="o", label=arch)
+        ax.axvline(TRAINING_LENGTH, color="grey", linestyle=":", label="training length")
+        ax.axvline(WINDOW, color="grey", linestyle="--", label="window (samba, mistral)")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("passkey accuracy, all depths")
+        ax.set_title("passkey retrieval after fine-tuning at 512 tokens")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / "passkey.png", dpi=120)
+        plt.close(fig)
+
+
+def perplexity_over_orders(model, tokenizer, args) -> dict:
+    """Perplexity per position bucket of the held-out documents joined into one sequence of `--ppl-length`
+    tokens, averaged over `--orders` random orders of the documents (so every bucket sees the same text on
+    average, and a rise with position is the model's, not the text's)."""
+    _, held_docs = split_documents()
+    runs = []
+    for order in range(args.orders):
+        docs = held_docs[:]
+        random.Random(f"order-{order}").shuffle(docs)
+        ids = torch.tensor(stream(tokenizer, docs)[: args.ppl_length])
+        if ids.numel() < args.ppl_length:
+            raise SystemExit(f"the held-out text has only {ids.numel()} tokens; ask for fewer with --ppl-length")
+        runs.append(perplexity_by_position(model, ids, bucket=TRAINING_LENGTH,
+                                           prefill_chunk_size=args.prefill_chunk_size, progress=True))
+    buckets = []
+    for parts in zip(*(run["buckets"] for run in runs)):
+        nll = sum(b["nll"] * b["tokens"] for b in parts) / sum(b["tokens"] for b in parts)
+        buckets.append({"start": parts[0]["start"], "end": parts[0]["end"], "nll": nll, "perplexity": math.exp(nll)})
+    return {"task": "perplexity", "tokens": args.ppl_length, "bucket": TRAINING_LENGTH, "orders": args.orders,
+            "buckets": buckets}
+
+
+def load(folder):
+    """float32, on the GPU when there is one."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+
+
+def ship(args):
+    """The passkey-tuned Samba into the package, packaged as the default model is (bf16, A_log/D float32)."""
+    folder = WORK / "samba-passkey"
+    model = SambaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    report = json.loads((folder / "training_report.json").read_text())
+    package(model, tokenizer, report, args.out, card=CARD)
+
+
+CARD = """---
+{metadata}
+---
+
+# samba-hf's passkey model
+
+A {parameters:,}-parameter Samba (Mamba + sliding-window attention with a 256-token window, 6 layers, hidden size
+256), pretrained at 512 tokens on the English text that ships with Python ({pretrain_steps} steps,
+{pretrain_minutes} minutes on 2 CPU cores), then fine-tuned for {passkey_steps} steps ({passkey_minutes} minutes) on
+512-token passkey prompts, with `{command}` (samba-hf, examples/long_context.py). It retrieves a passkey from
+contexts far longer than it was trained on: see LONG_CONTEXT.md in samba-hf. It is a demo, not a useful model.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)  # or `import samba_hf` first
+tokenizer = AutoTokenizer.from_pretrained("PATH")
+```
+"""
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("train", help="pretrain, then passkey-fine-tune, one architecture")
+    p.add_argument("arch", choices=list(INTERMEDIATE))
+    p.add_argument("--pretrain-steps", type=int, default=200)
+    p.add_argument("--passkey-steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--passkey-lr", type=float, default=1e-3)
+    p = commands.add_parser("evaluate", help="passkey and perplexity of the trained models")
+    p.add_argument("--archs", default="samba,mistral,llama")
+    p.add_argument("--tasks", default="passkey,perplexity")
+    p.add_argument("--lengths", default="512,1024,2048,4096,8192,16384,32768")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    p.add_argument("--trials", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-chunk-size", type=int, default=2048)
+    p.add_argument("--ppl-length", type=int, default=32768)
+    p.add_argument("--orders", type=int, default=1)
+    commands.add_parser("plot", help="redraw the combined figures from long_context/*.json")
+    p = commands.add_parser("ship", help="write the passkey Samba into the package")
+    p.add_argument("--out", default="src/samba_hf/passkey_model")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    {"train": train, "evaluate": evaluate, "plot": plot, "ship": ship}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
