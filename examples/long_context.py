@@ -35,18 +35,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_tiny import SPECIAL, Blocks, documents, package, stream  # noqa: E402  (the same corpus and packaging)
 
 from samba_hf import SambaConfig, SambaForCausalLM  # noqa: E402
-from samba_hf.evaluation import (passkey_eval, passkey_prompt, perplexity_by_position, plot_passkey,  # noqa: E402
-                                 plot_perplexity, random_digits)
+from samba_hf.evaluation import (passkey_eval, passkey_prompt, perplexity_by_position, phonebook_eval,  # noqa: E402
+                                 plot_passkey, plot_perplexity, plot_phonebook, random_digits)
 
 WORK = Path("out/long_context")
+DEVICE = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 RESULTS = Path("long_context")
 TRAINING_LENGTH = 512
 WINDOW = 256
 SHAPE = dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=3)
 # Samba's Mamba layers hold a little more than attention layers: the attention-only models get a narrower MLP so
-# all three have the same parameter count (within 0.1%).
-INTERMEDIATE = {"samba": 640, "mistral": 570, "llama": 570}
+# all three have the same parameter count (5,904,128, tied embeddings).
+INTERMEDIATE = {"samba": 640, "mistral": 797, "llama": 797}
 
 
 def build(arch: str, vocab_size: int):
@@ -64,6 +65,37 @@ def split_documents():
     docs = documents()
     held_out = len(docs) * 15 // 100
     return docs[held_out:], docs[:held_out]
+
+
+UNSEEN_EXCLUDED = ("antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo")  # side effects or GUI
+
+
+def long_text_documents() -> list[str]:
+    """Text none of the models trained on, for perplexity far past 512 tokens: the held-out documents, plus the
+    docstrings (200+ characters) of the standard-library modules train_tiny's list leaves out (about 69K tokens on
+    Python 3.11; other Pythons ship somewhat different text)."""
+    import importlib
+    import inspect
+    import warnings
+
+    from train_tiny import DOCSTRING_MODULES
+
+    train_docs, held_docs = split_documents()
+    docs = []
+    for name in sorted(sys.stdlib_module_names):
+        if name in DOCSTRING_MODULES or name.startswith("_") or name in UNSEEN_EXCLUDED:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except Exception:  # platform modules that do not import here
+            continue
+        for obj in [module] + [getattr(module, a, None) for a in sorted(dir(module)) if not a.startswith("_")]:
+            doc = inspect.getdoc(obj) if (inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj)) else None
+            if doc and len(doc) >= 200 and (obj is module or getattr(obj, "__module__", None) == module.__name__):
+                docs.append(doc.strip())
+    return held_docs + sorted(set(docs) - set(train_docs) - set(held_docs))
 
 
 def tokenizer_for_experiment(train_docs) -> PreTrainedTokenizerFast:
@@ -87,11 +119,12 @@ def tokenizer_for_experiment(train_docs) -> PreTrainedTokenizerFast:
 
 
 class PasskeySamples(torch.utils.data.Dataset):
-    """Passkey prompts of `length` tokens, the key at a random depth; the loss is on the answer's tokens only.
-    Sample i is the same in every run (its own seeded generator)."""
+    """Passkey prompts followed by their answer, of `min_length` to `length` tokens, the key at a random depth.
+    The loss is on every token (`answer_only`: on the answer's alone). Sample i is the same in every run."""
 
-    def __init__(self, tokenizer, count: int, length: int):
-        self.tokenizer, self.count, self.length = tokenizer, count, length
+    def __init__(self, tokenizer, count: int, length: int, min_length: int, answer_only: bool = False):
+        self.tokenizer, self.count, self.length, self.min_length = tokenizer, count, length, min_length
+        self.answer_only = answer_only
 
     def __len__(self):
         return self.count
@@ -99,11 +132,12 @@ class PasskeySamples(torch.utils.data.Dataset):
     def __getitem__(self, i):
         rng = random.Random(f"passkey-train-{i}")
         key = random_digits(rng, 5)
-        prompt = passkey_prompt(self.tokenizer, self.length, rng.random(), key)
-        target = self.tokenizer(" " + key, add_special_tokens=False).input_ids
+        target = self.tokenizer(" " + key + ".", add_special_tokens=False).input_ids
+        length = rng.randint(self.min_length, self.length)
+        prompt = passkey_prompt(self.tokenizer, length - len(target), rng.random(), key)
         ids = prompt.input_ids + target
-        labels = [-100] * len(prompt.input_ids) + target
-        return {"input_ids": ids[-self.length :], "labels": labels[-self.length :]}
+        labels = [-100] * len(prompt.input_ids) + target if self.answer_only else ids
+        return {"input_ids": ids, "labels": labels}
 
 
 def pad_right(batch, pad_id: int):
@@ -122,22 +156,29 @@ def run_trainer(model, dataset, steps: int, lr: float, batch_size: int, collator
         output_dir=str(WORK / "trainer"), max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
         lr_scheduler_type="cosine", warmup_steps=max(1, steps // 10), weight_decay=0.1, adam_beta2=0.95,
         max_grad_norm=1.0, logging_steps=25, save_strategy="no", report_to=[], seed=0, dataloader_drop_last=True,
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),
     )
     start = time.perf_counter()
     Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator).train()
     return (time.perf_counter() - start) / 60
 
 
-def save(model, tokenizer, folder: Path, report: dict):
+def save(model, tokenizer, folder: Path, report: dict, bf16: bool = False):
+    """`bf16`: stored in bfloat16 (Mamba's A_log and D stay float32), half the size."""
     model.config.use_cache = True
     model.generation_config.max_length = None
+    if bf16:
+        keep = {n: p.data.float() for n, p in model.named_parameters() if n.endswith((".A_log", ".D"))}
+        model.to(torch.bfloat16)
+        for n, p in model.named_parameters():
+            if n in keep:
+                p.data = keep[n]
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
-def train(args):
+def pretrain(args):
     torch.manual_seed(0)
     train_docs, held_docs = split_documents()
     tokenizer = tokenizer_for_experiment(train_docs)
@@ -147,28 +188,46 @@ def train(args):
           f"{TRAINING_LENGTH}", flush=True)
     report = {"arch": args.arch, "parameters": model.num_parameters(), "training_length": TRAINING_LENGTH,
               "window": WINDOW if args.arch != "llama" else None, "training_tokens": len(ids),
-              "command": shlex.join(["python", "examples/long_context.py", *sys.argv[1:]])}
-
+              "pretrain_command": shlex.join(["python", "examples/long_context.py", *sys.argv[1:]])}
     minutes = run_trainer(model, Blocks(ids, TRAINING_LENGTH), args.pretrain_steps, args.lr, args.batch_size)
-    report.update(pretrain_steps=args.pretrain_steps, pretrain_minutes=round(minutes, 1))
+    report.update(pretrain_steps=args.pretrain_steps, pretrain_minutes=round(minutes, 1), pretrain_device=DEVICE)
     held = Blocks(stream(tokenizer, held_docs), TRAINING_LENGTH)
     model.eval()
     with torch.no_grad():
-        losses = [model(**{k: v[None] for k, v in held[i].items()}).loss.item() for i in range(len(held))]
+        losses = [model(**{k: v[None].to(model.device) for k, v in held[i].items()}).loss.item()
+                  for i in range(len(held))]
     report["held_out_perplexity_at_512"] = round(math.exp(sum(losses) / len(losses)), 2)
     print(f"pretrained in {minutes:.1f} min; held-out perplexity {report['held_out_perplexity_at_512']}", flush=True)
     save(model, tokenizer, WORK / f"{args.arch}-base", report)
 
+
+def finetune(args):
+    """Passkey fine-tuning of the pretrained model (ARCH-base) at the training length."""
+    torch.manual_seed(0)
+    base = WORK / f"{args.arch}-base"
+    tokenizer, model = AutoTokenizer.from_pretrained(base), AutoModelForCausalLM.from_pretrained(base,
+                                                                                                 dtype=torch.float32)
+    report = json.loads((base / "training_report.json").read_text())
     model.train()
-    samples = PasskeySamples(tokenizer, args.passkey_steps * args.batch_size, TRAINING_LENGTH)
-    minutes = run_trainer(model, samples, args.passkey_steps, args.passkey_lr, args.batch_size,
+    samples = PasskeySamples(tokenizer, args.passkey_steps * args.passkey_batch_size, TRAINING_LENGTH,
+                             args.passkey_min_length, answer_only=args.answer_only)
+    minutes = run_trainer(model, samples, args.passkey_steps, args.passkey_lr, args.passkey_batch_size,
                           collator=lambda batch: pad_right(batch, tokenizer.pad_token_id))
-    report.update(passkey_steps=args.passkey_steps, passkey_minutes=round(minutes, 1))
+    report.update(passkey_steps=args.passkey_steps, passkey_batch_size=args.passkey_batch_size, passkey_minutes=round(minutes, 1), passkey_device=DEVICE,
+                  passkey_lr=args.passkey_lr, passkey_lengths=[args.passkey_min_length, TRAINING_LENGTH],
+                  passkey_loss="answer" if args.answer_only else "all tokens",
+                  passkey_command=shlex.join(["python", "examples/long_context.py", *sys.argv[1:]]))
     model.eval()
-    check = passkey_eval(model, tokenizer, [TRAINING_LENGTH], [0.0, 0.5, 1.0], trials=10, seed=1)
-    report["passkey_accuracy_at_512"] = sum(c["accuracy"] for c in check["cells"]) / len(check["cells"])
-    print(f"passkey-tuned in {minutes:.1f} min; accuracy at {TRAINING_LENGTH}: {report['passkey_accuracy_at_512']}")
-    save(model, tokenizer, WORK / f"{args.arch}-passkey", report)
+    check = passkey_eval(model, tokenizer, [TRAINING_LENGTH, 4 * TRAINING_LENGTH], [0.0, 0.5, 1.0], trials=4, seed=1)
+    report["passkey_check"] = {c["length"]: c["accuracy"] for c in check["cells"] if c["depth"] == 0.0}
+    print(f"passkey-tuned in {minutes:.1f} min; {[(c['length'], c['depth'], c['accuracy']) for c in check['cells']]}; "
+          f"e.g. {[(s['passkey'], s['generated']) for s in check['cells'][2]['samples'][:2]]}", flush=True)
+    save(model, tokenizer, WORK / f"{args.arch}-passkey{args.suffix}", report, bf16=args.bf16)
+
+
+def train(args):
+    pretrain(args)
+    finetune(args)
 
 
 def evaluate(args):
@@ -197,6 +256,14 @@ def evaluate(args):
             perplexities[arch].update(model=arch, command=command,
                                       device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
             (RESULTS / f"perplexity_{arch}.json").write_text(json.dumps(perplexities[arch], indent=1) + "\n")
+        if "phonebook" in args.tasks:  # the pretrained models: no phonebook was seen in training or fine-tuning
+            folder = WORK / f"{arch}-base"
+            tokenizer, model = AutoTokenizer.from_pretrained(folder), load(folder)
+            result = phonebook_eval(model, tokenizer, [128, 256, 512, 1024, 2048], trials=10, seed=args.seed,
+                                    prefill_chunk_size=args.prefill_chunk_size, progress=True)
+            result.update(model=arch, command=command,
+                          device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+            (RESULTS / f"phonebook_{arch}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(args)
 
 
@@ -204,10 +271,31 @@ def plot(args=None):
     """The figures that combine the models, from whatever results/*.json there are (each model may be evaluated
     by a separate run, on another machine)."""
     results = {kind: {arch: json.loads((RESULTS / f"{kind}_{arch}.json").read_text()) for arch in INTERMEDIATE
-                      if (RESULTS / f"{kind}_{arch}.json").exists()} for kind in ("passkey", "perplexity")}
+                      if (RESULTS / f"{kind}_{arch}.json").exists()} for kind in ("passkey", "perplexity", "phonebook")}
     if results["perplexity"]:
-        plot_perplexity(results["perplexity"], RESULTS / "perplexity.png",
-                        "held-out perplexity vs position, trained at 512", training_length=TRAINING_LENGTH)
+        plot_perplexity(results["perplexity"], RESULTS / "perplexity_buckets.png",
+                        "unseen text: perplexity vs position, trained at 512", training_length=TRAINING_LENGTH)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for arch, result in results["perplexity"].items():
+            spans = position_ranges(result)
+            ax.plot([b for _, b in spans], [range_perplexity(result, a, b) for a, b in spans], marker="o", label=arch)
+        ax.axvline(TRAINING_LENGTH, color="grey", linestyle=":", label="training length")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("end of position range 0-512, 512-1K, 1K-2K, ... (tokens)")
+        ax.set_ylabel("perplexity over the range")
+        ax.set_title("unseen text: perplexity vs position, trained at 512")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / "perplexity.png", dpi=120)
+        plt.close(fig)
+    if results["phonebook"]:
+        plot_phonebook(results["phonebook"], RESULTS / "phonebook.png", "phonebook lookup, pretrained at 512")
     if results["passkey"]:
         # accuracy over all depths per length, one line per model (the paper's Figure 3 view)
         import matplotlib
@@ -231,20 +319,66 @@ def plot(args=None):
         fig.tight_layout()
         fig.savefig(RESULTS / "passkey.png", dpi=120)
         plt.close(fig)
+    print(tables(results))
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens >= 1024 else str(tokens)
+
+
+def position_ranges(result: dict) -> list[tuple[int, int]]:
+    """0-512, 512-1K, 1K-2K, ... up to the end of the text."""
+    last = result["buckets"][-1]["end"]
+    edges = [0, TRAINING_LENGTH]
+    while edges[-1] < last:
+        edges.append(min(2 * edges[-1], last))
+    return list(zip(edges, edges[1:]))
+
+
+def range_perplexity(result: dict, start: int, end: int) -> float:
+    inside = [b for b in result["buckets"] if start <= b["start"] and b["end"] <= end]
+    return math.exp(sum(b["nll"] for b in inside) / len(inside))
+
+
+def tables(results) -> str:
+    """LONG_CONTEXT.md's tables, in Markdown, from the results."""
+    lines = []
+    for arch, result in results["passkey"].items():
+        lines += [f"passkey, {arch} ({result['trials']} trials per cell, {result.get('device', 'cpu')}):", "",
+                  "| depth | " + " | ".join(f"{n:,}" for n in result["lengths"]) + " |",
+                  "|---|" + "---|" * len(result["lengths"])]
+        for depth in result["depths"]:
+            cells = {c["length"]: c["accuracy"] for c in result["cells"] if c["depth"] == depth}
+            lines.append(f"| {depth:.0%} | " + " | ".join(f"{cells[n]:.0%}" for n in result["lengths"]) + " |")
+        lines.append("")
+    if results["perplexity"]:
+        # position ranges that double: 0-512 (the training length), 512-1K, 1K-2K, ..., each the mean NLL of its
+        # 512-token buckets (longer ranges average over more text, so the far end is not one bucket's noise)
+        spans = position_ranges(next(iter(results["perplexity"].values())))
+        lines += [f"perplexity by position range (mean over {TRAINING_LENGTH}-token buckets):", "",
+                  "| model | " + " | ".join(f"{_k(a)}-{_k(b)}" for a, b in spans) + " | last / first |",
+                  "|---|" + "---|" * (len(spans) + 1)]
+        for arch, result in results["perplexity"].items():
+            ppl = [range_perplexity(result, a, b) for a, b in spans]
+            lines.append(f"| {arch} | " + " | ".join(f"{p:.1f}" for p in ppl) + f" | {ppl[-1] / ppl[0]:.2f} |")
+        lines.append("")
+    for arch, result in results["phonebook"].items():
+        lines.append(f"phonebook {arch}: " + ", ".join(f"{r['length']}: {r['accuracy']:.0%}" for r in result["rows"]))
+    return "\n".join(lines)
 
 
 def perplexity_over_orders(model, tokenizer, args) -> dict:
-    """Perplexity per position bucket of the held-out documents joined into one sequence of `--ppl-length`
-    tokens, averaged over `--orders` random orders of the documents (so every bucket sees the same text on
+    """Perplexity per position bucket of unseen documents (`long_text_documents`) joined into one sequence of
+    `--ppl-length` tokens, averaged over `--orders` random orders of the documents (so every bucket sees the same text on
     average, and a rise with position is the model's, not the text's)."""
-    _, held_docs = split_documents()
+    held_docs = long_text_documents()
     runs = []
     for order in range(args.orders):
         docs = held_docs[:]
         random.Random(f"order-{order}").shuffle(docs)
         ids = torch.tensor(stream(tokenizer, docs)[: args.ppl_length])
         if ids.numel() < args.ppl_length:
-            raise SystemExit(f"the held-out text has only {ids.numel()} tokens; ask for fewer with --ppl-length")
+            raise SystemExit(f"the unseen text has only {ids.numel()} tokens; ask for fewer with --ppl-length")
         runs.append(perplexity_by_position(model, ids, bucket=TRAINING_LENGTH,
                                            prefill_chunk_size=args.prefill_chunk_size, progress=True))
     buckets = []
@@ -277,10 +411,14 @@ CARD = """---
 # samba-hf's passkey model
 
 A {parameters:,}-parameter Samba (Mamba + sliding-window attention with a 256-token window, 6 layers, hidden size
-256), pretrained at 512 tokens on the English text that ships with Python ({pretrain_steps} steps,
-{pretrain_minutes} minutes on 2 CPU cores), then fine-tuned for {passkey_steps} steps ({passkey_minutes} minutes) on
-512-token passkey prompts, with `{command}` (samba-hf, examples/long_context.py). It retrieves a passkey from
-contexts far longer than it was trained on: see LONG_CONTEXT.md in samba-hf. It is a demo, not a useful model.
+256). Pretrained at 512 tokens on the English text that ships with Python ({pretrain_steps} steps of 8 x 512 tokens,
+{pretrain_minutes} minutes on 2 CPU cores), then fine-tuned on passkey prompts of 128 to 512 tokens
+({passkey_steps} steps of {passkey_batch_size}, {passkey_minutes} minutes on one {passkey_device}) with
+`{passkey_command_now}` (samba-hf's examples/long_context.py).
+
+It finds the key at every depth up to its training length, and at any length when the key lies in its window;
+beyond about 2x its training length, a key further back than its window is mostly lost. LONG_CONTEXT.md in samba-hf
+has the measurements. It is a demo of the evaluation tools, not a useful model.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -293,16 +431,24 @@ tokenizer = AutoTokenizer.from_pretrained("PATH")
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("train", help="pretrain, then passkey-fine-tune, one architecture")
-    p.add_argument("arch", choices=list(INTERMEDIATE))
-    p.add_argument("--pretrain-steps", type=int, default=200)
-    p.add_argument("--passkey-steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--passkey-lr", type=float, default=1e-3)
+    for name, text in (("train", "pretrain, then passkey-fine-tune, one architecture"),
+                       ("pretrain", "pretrain one architecture (writes ARCH-base)"),
+                       ("finetune", "passkey-fine-tune ARCH-base (writes ARCH-passkey)")):
+        p = commands.add_parser(name, help=text)
+        p.add_argument("arch", choices=list(INTERMEDIATE))
+        p.add_argument("--pretrain-steps", type=int, default=200)
+        p.add_argument("--passkey-steps", type=int, default=1600)
+        p.add_argument("--passkey-batch-size", type=int, default=32)
+        p.add_argument("--batch-size", type=int, default=8)
+        p.add_argument("--lr", type=float, default=3e-3)
+        p.add_argument("--passkey-lr", type=float, default=1.5e-3)
+        p.add_argument("--passkey-min-length", type=int, default=128)
+        p.add_argument("--answer-only", action="store_true", help="fine-tune with the loss on the answer alone")
+        p.add_argument("--suffix", default="", help="written to ARCH-passkeySUFFIX (trying recipes)")
+        p.add_argument("--bf16", action="store_true", help="store the fine-tuned weights in bfloat16")
     p = commands.add_parser("evaluate", help="passkey and perplexity of the trained models")
     p.add_argument("--archs", default="samba,mistral,llama")
-    p.add_argument("--tasks", default="passkey,perplexity")
+    p.add_argument("--tasks", default="passkey,perplexity,phonebook")
     p.add_argument("--lengths", default="512,1024,2048,4096,8192,16384,32768")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     p.add_argument("--trials", type=int, default=4)
@@ -315,7 +461,8 @@ def main():
     p.add_argument("--out", default="src/samba_hf/passkey_model")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    {"train": train, "evaluate": evaluate, "plot": plot, "ship": ship}[args.command](args)
+    {"train": train, "pretrain": pretrain, "finetune": finetune, "evaluate": evaluate, "plot": plot,
+     "ship": ship}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@
                      [--tokenizer PATH] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
                      [--verify | --no-verify] [--push-to-hub REPO] [--force]
     samba-hf export lit-gpt SRC OUT [--force]
-    samba-hf eval passkey [--lengths N,N,..] [--depths D,D,..] [--trials N]   (common: [--model PATH_OR_NAME]
-    samba-hf eval phonebook [--lengths N,N,..] [--trials N]                     [--tokenizer ..] [--seed S] [--out DIR]
-    samba-hf eval perplexity [--text FILE] [--max-tokens N] [--bucket N]        [--force] [--prefill-chunk-size N]
-                                                                                [--dtype ..] [--device ..])
+    samba-hf eval passkey [--lengths N,N,..] [--depths D,D,..] [--trials N] [COMMON]
+    samba-hf eval phonebook [--lengths N,N,..] [--trials N] [COMMON]
+    samba-hf eval perplexity [--text FILE] [--max-tokens N] [--bucket N] [COMMON]
+        COMMON: [--model PATH_OR_NAME] [--tokenizer PATH_OR_NAME] [--seed S] [--out DIR [--force]]
+                [--prefill-chunk-size N] [--dtype auto|float32|bfloat16|float16] [--device auto|cpu|cuda|cuda:N|mps]
 
 This module imports only the standard library, so `samba-hf --help` and mistakes in the arguments answer at once;
 torch, transformers and the model come in with `samba_hf.cli`, which runs the commands. Every user mistake ends

@@ -322,3 +322,34 @@ def test_eval_refuses_a_model_with_weights_missing(capsys, tmp_path, llama_folde
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     one_line_error(capsys, ["eval", "passkey", "--model", str(broken), "--lengths", "150"],
                    "lack model.layers.1.mlp.down_proj.weight", "nothing was run")
+def test_embedded_models():
+    assert default_model_path().endswith("default_model")
+    assert (Path(default_model_path("passkey")) / "config.json").is_file()
+    assert default_model_path("passkey") != default_model_path()
+    with pytest.raises(ValueError, match="no embedded model 'nope'"):
+        default_model_path("nope")
+
+
+def test_the_passkey_model_answers_past_its_training_length_through_plain_generate():
+    """The shipped passkey Samba (trained at 512 tokens, window 256) through `model.generate` alone: the prompt as
+    text, chunked prefill, greedy. What LONG_CONTEXT.md measured: a key more than a window back at 2x the training
+    length (no attention layer sees it directly), and a key within the window at 16x."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path("passkey")
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    for length, depth, key in ((1024, 0.5, "68142"), (1024, 0.25, "30917"), (8192, 1.0, "52706")):
+        prompt = passkey_prompt(tokenizer, length, depth, key)
+        ids = tokenizer(prompt.text, return_tensors="pt").input_ids
+        assert ids[0].tolist() == prompt.input_ids
+        if depth < 1:
+            assert len(prompt.input_ids) - prompt.answer_start > model.config.sliding_window
+        out = model.generate(ids, max_new_tokens=7, do_sample=False, prefill_chunk_size=1024)
+        assert exact_match(tokenizer.decode(out[0, ids.shape[1] :]), key), (length, depth)
+
+
+def test_eval_passkey_runs_the_passkey_model_by_default(capsys):
+    assert main(["eval", "passkey", "--lengths", "1024", "--depths", "0.5", "--trials", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "embedded passkey model" in captured.err
+    assert captured.out.splitlines()[-1].split() == ["0.50", "100%"]

@@ -64,8 +64,9 @@ def _greedy(model, ids, steps):
 def test_model_on_gpu_matches_cpu(attn):
     if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         pytest.skip("needs flash-attn")
-    cpu = tiny_model(seed=4)
-    gpu = tiny_model(seed=4).cuda()
+    shape = dict(head_dim=16, hidden_size=64) if attn == "flex_attention" else {}  # flex on CUDA: head_dim >= 16
+    cpu = tiny_model(seed=4, **shape)
+    gpu = tiny_model(seed=4, **shape).cuda()
     dtype = torch.bfloat16 if attn == "flash_attention_2" else torch.float32
     gpu = gpu.to(dtype)
     gpu.set_attn_implementation(attn)

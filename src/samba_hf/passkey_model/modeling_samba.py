@@ -1,0 +1,1 @@
+../modeling_samba.py

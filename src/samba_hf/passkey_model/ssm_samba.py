@@ -1,0 +1,1 @@
+../ssm_samba.py
