@@ -1,20 +1,22 @@
-"""The Samba paper's long-context result (Figures 3-4), reproduced at small scale on a CPU.
+"""The Samba paper's long-context result (Figures 3-4), at small scale: the commands behind LONG_CONTEXT.md.
 
-Three models of the same size (~5.9M parameters, 6 layers, hidden 256), trained with the same recipe on the same
+Three models of the same size (5,904,128 parameters, 6 layers, hidden 256), trained with the same recipe on the same
 data at 512 tokens:
   samba    Mamba + sliding-window attention (window 256), samba-hf's SambaForCausalLM
   mistral  sliding-window attention only (window 256), transformers' MistralForCausalLM
   llama    full attention, transformers' LlamaForCausalLM
 Each is pretrained on the English text that ships with Python (as examples/train_tiny.py), then fine-tuned on
-passkey prompts of 512 tokens (the paper: 500 steps at its training length), and measured far past 512 tokens:
-passkey retrieval (the fine-tuned models) and perplexity vs position (the pretrained ones).
+passkey prompts of up to 512 tokens (the paper: 500 steps at its training length), and measured far past 512
+tokens: passkey retrieval (the fine-tuned models), perplexity vs position and phonebook lookup (the pretrained ones).
 
-    python examples/long_context.py train samba        # then mistral, llama; each writes out/long_context/ARCH-*
-    python examples/long_context.py evaluate           # writes long_context/*.json, *.png (committed)
+    python examples/long_context.py pretrain samba     # then mistral, llama: out/long_context/ARCH-base (CPU: minutes)
+    python examples/long_context.py finetune samba --bf16   # out/long_context/ARCH-passkey (GPU: minutes; CPU: hours)
+    python examples/long_context.py evaluate           # long_context/*.json, *.png (committed); --archs, --tasks
+    python examples/long_context.py plot               # the combined figures and LONG_CONTEXT.md's tables
     python examples/long_context.py ship               # the passkey Samba -> src/samba_hf/passkey_model
 
-`train` and `evaluate` print what they do; `--help` on each lists the knobs (the defaults are what LONG_CONTEXT.md
-reports). Checkpoints go to out/long_context (git-ignored).
+The defaults are what LONG_CONTEXT.md reports; `--help` on each lists the knobs. Training runs on the GPU when there
+is one. Checkpoints go to out/long_context (git-ignored).
 """
 
 import argparse
