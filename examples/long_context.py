@@ -34,7 +34,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
                           MistralForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_tiny import SPECIAL, Blocks, documents, package, stream  # noqa: E402  (the same corpus and packaging)
+from train_tiny import SPECIAL, Blocks, documents, package, stream, to_bfloat16_storage  # noqa: E402  (the same corpus and packaging)
 
 from samba_hf import SambaConfig, SambaForCausalLM  # noqa: E402
 from samba_hf.evaluation import (passkey_eval, passkey_prompt, perplexity_by_position, phonebook_eval,  # noqa: E402
@@ -170,11 +170,7 @@ def save(model, tokenizer, folder: Path, report: dict, bf16: bool = False):
     model.config.use_cache = True
     model.generation_config.max_length = None
     if bf16:
-        keep = {n: p.data.float() for n, p in model.named_parameters() if n.endswith((".A_log", ".D"))}
-        model.to(torch.bfloat16)
-        for n, p in model.named_parameters():
-            if n in keep:
-                p.data = keep[n]
+        to_bfloat16_storage(model)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")

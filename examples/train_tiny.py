@@ -171,6 +171,15 @@ def main():
     package(model, tokenizer, report, args.out)
 
 
+def to_bfloat16_storage(model) -> None:
+    """bfloat16 weights, except Mamba's A_log and D, which stay float32 (as the official checkpoints store them)."""
+    keep = {name: param.data.float() for name, param in model.named_parameters() if name.endswith((".A_log", ".D"))}
+    model.to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        if name in keep:
+            param.data = keep[name]
+
+
 def package(model, tokenizer, report: dict, out: str, card: str | None = None):
     """Write the folder as save_pretrained does (weights, config with auto_map, the modeling code, so tools that do
     not import samba_hf load it with trust_remote_code), stored in bfloat16 (A_log and D stay float32: half the
@@ -178,11 +187,7 @@ def package(model, tokenizer, report: dict, out: str, card: str | None = None):
     model.config.use_cache = True  # Trainer turns it off while training
     model.config.max_position_embeddings = UNLIMITED_POSITIONS  # trained on 256-token blocks, but no length limit
     model.generation_config.max_length = None
-    keep = {name: param.data.float() for name, param in model.named_parameters() if name.endswith((".A_log", ".D"))}
-    model.to(torch.bfloat16)
-    for name, param in model.named_parameters():
-        if name in keep:
-            param.data = keep[name]
+    to_bfloat16_storage(model)
     code = [Path(out, name) for name in ("configuration_samba.py", "modeling_samba.py", "ssm_samba.py")]
     for link in code:
         if link.is_symlink():  # a link written below by an earlier run: save_pretrained copies the code anew

@@ -353,3 +353,19 @@ def test_eval_passkey_runs_the_passkey_model_by_default(capsys):
     captured = capsys.readouterr()
     assert "embedded passkey model" in captured.err
     assert captured.out.splitlines()[-1].split() == ["0.50", "100%"]
+
+
+def test_eval_interrupted_while_writing_leaves_no_partial_file(capsys, tmp_path, llama_folder, monkeypatch):
+    import samba_hf.evaluation as evaluation
+
+    def interrupted(result, path, title=""):
+        open(path, "wb").write(b"\x89PNG half")  # a plot cut off halfway
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluation, "plot_passkey", interrupted)
+    out = tmp_path / "res"
+    assert main(["eval", "passkey", "--model", str(llama_folder), "--lengths", "150", "--depths", "0", "--trials", "1",
+                 "--out", str(out)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["passkey.json"]  # complete; no plot, no temporary file
+    assert json.loads((out / "passkey.json").read_text())["cells"][0]["length"] == 150

@@ -270,7 +270,6 @@ def export(args) -> int:
 
 def evaluate(args) -> int:
     """`samba-hf eval passkey | phonebook | perplexity`: a table on stdout; JSON and a plot in --out if given."""
-    import json
     import random
 
     import torch
@@ -353,7 +352,7 @@ def _write_results(result: dict, args, paths) -> None:
             "phonebook": lambda p: evaluation.plot_phonebook({result["model"]: result}, p),
             "perplexity": lambda p: evaluation.plot_perplexity({result["model"]: result}, p)}[args.task]
     try:
-        _atomic_write(png_path, lambda tmp: plot(tmp))
+        _atomic_write(png_path, plot)
         written.append(png_path)
     except ImportError as error:
         print(f"samba-hf: no plot written: {error}", file=sys.stderr)
