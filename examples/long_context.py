@@ -37,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_tiny import SPECIAL, Blocks, documents, package, stream, to_bfloat16_storage  # noqa: E402  (the same corpus and packaging)
 
 from samba_hf import SambaConfig, SambaForCausalLM  # noqa: E402
-from samba_hf.evaluation import (passkey_eval, passkey_prompt, perplexity_by_position, phonebook_eval,  # noqa: E402
-                                 plot_passkey, plot_perplexity, plot_phonebook, random_digits)
+from samba_hf.evaluation import (  # noqa: E402
+    _pyplot, passkey_eval, passkey_prompt, perplexity_by_position, phonebook_eval, plot_passkey, plot_perplexity,
+    plot_phonebook, random_digits,
+)
 
 WORK = Path("out/long_context")
 DEVICE = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -268,16 +270,12 @@ def evaluate(args):
 def plot(args=None):
     """The figures that combine the models, from whatever results/*.json there are (each model may be evaluated
     by a separate run, on another machine)."""
+    plt = _pyplot()
     results = {kind: {arch: json.loads((RESULTS / f"{kind}_{arch}.json").read_text()) for arch in INTERMEDIATE
                       if (RESULTS / f"{kind}_{arch}.json").exists()} for kind in ("passkey", "perplexity", "phonebook")}
     if results["perplexity"]:
         plot_perplexity(results["perplexity"], RESULTS / "perplexity_buckets.png",
                         "unseen text: perplexity vs position, trained at 512", training_length=TRAINING_LENGTH)
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for arch, result in results["perplexity"].items():
             spans = position_ranges(result)
@@ -296,11 +294,6 @@ def plot(args=None):
         plot_phonebook(results["phonebook"], RESULTS / "phonebook.png", "phonebook lookup, pretrained at 512")
     if results["passkey"]:
         # accuracy over all depths per length, one line per model (the paper's Figure 3 view)
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for arch, result in results["passkey"].items():
             mean = [sum(c["accuracy"] for c in result["cells"] if c["length"] == n) / len(result["depths"])

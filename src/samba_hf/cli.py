@@ -71,8 +71,6 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype, any_mo
          default: str = "default"):
     """(tokenizer, model) for generate / eval: a local folder is checked in full first (`samba_hf.model_folder`).
     `any_model`: any causal LM transformers loads (eval), not only Samba / SambaY (generate)."""
-    from transformers import AutoModelForCausalLM
-
     from .model_folder import ModelFolderError, check_tokenizer, load_model, model_classes, read_config, tokenizer_for
 
     path = model_arg or default_model_path(default)
