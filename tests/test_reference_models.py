@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM, MistralConfig, MistralForCausalLM
 
-from samba_hf.ssm_samba import selective_scan
+from samba_hf import ssm_samba
 
 from conftest import tiny_model
 
@@ -111,8 +111,17 @@ def float64_recurrence(u, dt, A, B, C, D, z, h0):
     return torch.stack(ys, dim=1), h
 
 
+@pytest.fixture(params=["compiled", "pytorch"])
+def selective_scan(request):
+    """Both CPU scans: the compiled one (which `selective_scan` dispatches to) and the PyTorch fallback."""
+    if request.param == "pytorch":
+        return ssm_samba.selective_scan_pytorch
+    assert ssm_samba._cpu_scan_library() is not None, "the compiled CPU scan did not build (is there a C compiler?)"
+    return ssm_samba.selective_scan_cpu
+
+
 @pytest.mark.parametrize("seq_len", [1, 7, 64, 150])
-def test_scan_matches_float64_recurrence(seq_len):
+def test_scan_matches_float64_recurrence(seq_len, selective_scan):
     b, d, n = 2, 6, 5
     u, z = torch.randn(b, seq_len, d), torch.randn(b, seq_len, d)
     dt = torch.nn.functional.softplus(torch.randn(b, seq_len, d) - 2)
@@ -125,14 +134,14 @@ def test_scan_matches_float64_recurrence(seq_len):
     assert _max_diff(h.double(), h_ref) <= 1e-5
 
 
-def test_scan_in_bf16_keeps_float32_state():
+def test_scan_in_bf16_keeps_float32_state(selective_scan):
     u = torch.randn(1, 10, 4).bfloat16()
     dt = torch.full((1, 10, 4), 0.1)
     y, h = selective_scan(u, dt, -torch.ones(4, 3), torch.randn(1, 10, 3), torch.randn(1, 10, 3))
     assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
 
 
-def test_scan_stays_exact_at_64k_tokens():
+def test_scan_stays_exact_at_64k_tokens(selective_scan):
     """No cumulative products: a 64K-token scan (strong and weak decays mixed) matches float64 to the end."""
     b, d, n, L = 1, 4, 4, 65536
     g = torch.Generator().manual_seed(0)

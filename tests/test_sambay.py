@@ -72,7 +72,8 @@ def test_eager_and_sdpa_agree():
         sdpa = model(x).logits
         model.config._attn_implementation = "eager"
         eager = model(x).logits
-    torch.testing.assert_close(eager, sdpa, rtol=1e-5, atol=1e-5)
+    # float32 logits of magnitude ~10: the two attention paths round differently, by ~1e-6 of that scale
+    torch.testing.assert_close(eager, sdpa, rtol=1e-5, atol=1e-5 * sdpa.abs().max().item())
 
 
 # The release's chat settings at tiny ids: its base vocabulary ends with <|endoftext|> (199999 -> 49), and its chat
@@ -294,7 +295,8 @@ def test_logits_to_keep_runs_the_cross_decoder_on_the_kept_positions_only(implem
         chunked = model(x, logits_to_keep=6).logits
         assert seen == [1, 1, 4, 4, 1, 1]  # positions 7-12 kept: chunk 0-3 skips it, 4-7 runs 1, 8-11 4, 12 1
         model.config.inference_chunk_size = 4096
-        torch.testing.assert_close(chunked, model(x).logits[:, -6:], rtol=1e-5, atol=1e-5)
+        # chunks of 4 run the attention over other shapes: float32 rounding of ~1e-6 of the logits' scale (~10)
+        torch.testing.assert_close(chunked, model(x).logits[:, -6:], rtol=1e-5, atol=2e-5)
 
 
 def test_cache_bytes_grow_by_one_layers_keys_and_values_per_token():

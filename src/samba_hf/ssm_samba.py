@@ -9,6 +9,12 @@ one-token step from a cached state); everywhere else, and for a multi-token inpu
 state (which `selective_scan_fn` cannot take), the PyTorch scan below. The first fallback on a CUDA tensor is
 logged once.
 
+On CPU tensors it runs a compiled C scan (`_CPU_SCAN_SOURCE` below, with its backward): one pass over time that holds
+each channel's state in registers, with no (time, channel, state) tensor and no Python per token. It is built once per
+machine with the system's C compiler (`cc`, or `$CC`) into `~/.cache/samba_hf` (`$SAMBA_HF_CACHE`) and loaded with
+ctypes. Where there is no compiler, under `torch.compile`, or with `SAMBA_HF_SCAN=pytorch`, the PyTorch scan runs
+instead (the same recurrence, stepped per token in Python).
+
 Everything is computed in float32 whatever the input dtype; `y` comes back in the dtype of `u`, the final state
 in float32.
 
@@ -18,6 +24,14 @@ one-token step and `causal_conv1d_fn` otherwise; everywhere else it calls the mo
 
 Part of the remote code of a saved model: imports only torch and transformers.
 """
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +104,8 @@ def selective_scan(
             return _step_with_kernel(state_update_fn, u, dt, A, B, C, D, z, h0)
         if scan_fn is None:
             logger.warning_once("samba-hf: mamba-ssm is not installed; the Mamba scan runs in PyTorch (slower on GPU)")
+    elif u.device.type == "cpu" and not torch.compiler.is_compiling() and _cpu_scan_library() is not None:
+        return selective_scan_cpu(u, dt, A, B, C, D, z, h0)
     return selective_scan_pytorch(u, dt, A, B, C, D, z, h0)
 
 
@@ -123,6 +139,386 @@ def selective_scan_pytorch(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[tor
         y = y + u.float() * D.float()
     if z is not None:
         y = y * F.silu(z.float())
+    return y.to(u.dtype), h
+
+
+_CPU_SCAN_SOURCE = r"""
+/* The selective scan on CPU: one pass over time, CHANNELS channels at a time, their state held in a small local
+   array (laid out state-major, so the loops over channels vectorise), no (time, channel, state) tensor anywhere.
+   Arrays are float32 and C-contiguous: u, dt, z, y (batch, T, D); B, C (batch, T, N); A (D, N); Dskip (D);
+   h (batch, D, N). */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#define CH 16         /* channels per block */
+#define SEGMENT 64    /* backward: states are recomputed from a checkpoint every SEGMENT steps */
+
+/* exp(x) for x <= 0 (x = dt * A), within 2 ulp: 2^k exp(r), r = x - k ln2 in [-ln2/2, ln2/2], degree-7 Taylor.
+   Below -86 (a decay under 5e-38, which has wiped the state) it returns exp(-86), so 2^k stays a normal float. */
+static inline float exp_nonpositive(float x) {
+    x = x < -86.0f ? -86.0f : x;
+    float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* x / ln2 rounded to nearest */
+    float r = x - kf * 0.693145751953125f - kf * 1.428606765330187e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &p, 4);
+    bits += ((int32_t)kf) << 23;
+    memcpy(&p, &bits, 4);
+    return p;
+}
+
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+typedef struct {
+    int batch, T, D, N;
+    const float *u, *dt, *A, *B, *C, *Dskip, *z, *grad_y, *grad_h_last;
+    float *h, *y;
+    float *grad_u, *grad_dt, *grad_A, *grad_B, *grad_C, *grad_D, *grad_z, *grad_h0;
+    int d_begin, d_end, failed;
+} Task;
+
+/* one block's inputs at step t, zero past the last channel (dt = 0 leaves a padded lane's state at 0) */
+static inline void load(const float *src, size_t offset, int width, float *out) {
+    for (int c = 0; c < CH; c++) out[c] = c < width ? src[offset + c] : 0.0f;
+}
+
+/* h (N, CH) <- exp(dt A) h + dt u B, for one step */
+static inline void step(int N, const float *At, const float *dtv, const float *du, const float *Bt, float *h) {
+    for (int n = 0; n < N; n++) {
+        const float Bn = Bt[n];
+        float *hn = h + n * CH;
+        const float *An = At + n * CH;
+#pragma omp simd
+        for (int c = 0; c < CH; c++) hn[c] = exp_nonpositive(dtv[c] * An[c]) * hn[c] + du[c] * Bn;
+    }
+}
+
+static void forward_block(const Task *a, int b, int d0, float *At, float *h) {
+    const int T = a->T, D = a->D, N = a->N, W = a->d_end - d0 < CH ? a->d_end - d0 : CH;
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < CH; c++) {
+            At[n * CH + c] = c < W ? a->A[(size_t)(d0 + c) * N + n] : 0.0f;
+            h[n * CH + c] = c < W ? a->h[((size_t)b * D + d0 + c) * N + n] : 0.0f;
+        }
+    float dtv[CH], uv[CH], du[CH], acc[CH];
+    for (int t = 0; t < T; t++) {
+        const size_t row = (size_t)b * T + t, at = row * D + d0;
+        load(a->dt, at, W, dtv);
+        load(a->u, at, W, uv);
+        for (int c = 0; c < CH; c++) du[c] = dtv[c] * uv[c];
+        step(N, At, dtv, du, a->B + row * N, h);
+        const float *Ct = a->C + row * N;
+        for (int c = 0; c < CH; c++) acc[c] = 0.0f;
+        for (int n = 0; n < N; n++) {
+            const float Cn = Ct[n];
+#pragma omp simd
+            for (int c = 0; c < CH; c++) acc[c] += h[n * CH + c] * Cn;
+        }
+        for (int c = 0; c < W; c++) {
+            float y = acc[c] + (a->Dskip ? a->Dskip[d0 + c] * uv[c] : 0.0f);
+            if (a->z) y *= a->z[at + c] * sigmoid(a->z[at + c]);
+            a->y[at + c] = y;
+        }
+    }
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < W; c++) a->h[((size_t)b * D + d0 + c) * N + n] = h[n * CH + c];
+}
+
+static void backward_block(Task *a, int b, int d0, float *At, float *work) {
+    const int T = a->T, D = a->D, N = a->N, W = a->d_end - d0 < CH ? a->d_end - d0 : CH;
+    const int segments = (T + SEGMENT - 1) / SEGMENT;
+    const size_t width = (size_t)N * CH;
+    float *gh = work, *gA = work + width;
+    float *checkpoints = malloc(sizeof(float) * width * (segments + 1));
+    float *states = malloc(sizeof(float) * width * SEGMENT);
+    if (!checkpoints || !states) { free(checkpoints); free(states); a->failed = 1; return; }
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < CH; c++) {
+            const size_t i = ((size_t)b * D + d0 + c) * N + n;
+            At[n * CH + c] = c < W ? a->A[(size_t)(d0 + c) * N + n] : 0.0f;
+            checkpoints[n * CH + c] = c < W ? a->h[i] : 0.0f;
+            gh[n * CH + c] = c < W && a->grad_h_last ? a->grad_h_last[i] : 0.0f;
+            gA[n * CH + c] = 0.0f;
+        }
+    float dtv[CH], uv[CH], du[CH];
+    for (int s = 0; s < segments; s++) { /* checkpoints[s] = the state before step s * SEGMENT */
+        float *h = checkpoints + (size_t)(s + 1) * width;
+        memcpy(h, h - width, sizeof(float) * width);
+        for (int t = s * SEGMENT; t < T && t < (s + 1) * SEGMENT; t++) {
+            const size_t row = (size_t)b * T + t;
+            load(a->dt, row * D + d0, W, dtv);
+            load(a->u, row * D + d0, W, uv);
+            for (int c = 0; c < CH; c++) du[c] = dtv[c] * uv[c];
+            step(N, At, dtv, du, a->B + row * N, h);
+        }
+    }
+    float gy[CH], gu[CH], gdt[CH];
+    for (int s = segments - 1; s >= 0; s--) {
+        const int t0 = s * SEGMENT, t1 = (s + 1) * SEGMENT < T ? (s + 1) * SEGMENT : T;
+        for (int t = t0; t < t1; t++) { /* states[t - t0] = the state after step t, as the forward had it */
+            const size_t row = (size_t)b * T + t;
+            float *cur = states + (size_t)(t - t0) * width;
+            memcpy(cur, t == t0 ? checkpoints + (size_t)s * width : cur - width, sizeof(float) * width);
+            load(a->dt, row * D + d0, W, dtv);
+            load(a->u, row * D + d0, W, uv);
+            for (int c = 0; c < CH; c++) du[c] = dtv[c] * uv[c];
+            step(N, At, dtv, du, a->B + row * N, cur);
+        }
+        for (int t = t1 - 1; t >= t0; t--) {
+            const size_t row = (size_t)b * T + t, at = row * D + d0;
+            const float *Bt = a->B + row * N, *Ct = a->C + row * N;
+            float *gBt = a->grad_B + row * N, *gCt = a->grad_C + row * N;
+            const float *prev = t == t0 ? checkpoints + (size_t)s * width : states + (size_t)(t - t0 - 1) * width;
+            const float *cur = states + (size_t)(t - t0) * width;
+            load(a->dt, at, W, dtv);
+            load(a->u, at, W, uv);
+            load(a->grad_y, at, W, gy);
+            if (a->z) { /* y = (h C + D u) silu(z): recompute the ungated y for dz */
+                for (int c = 0; c < W; c++) {
+                    float y = a->Dskip ? a->Dskip[d0 + c] * uv[c] : 0.0f;
+                    for (int n = 0; n < N; n++) y += cur[n * CH + c] * Ct[n];
+                    const float zv = a->z[at + c], sg = sigmoid(zv);
+                    a->grad_z[at + c] = gy[c] * y * sg * (1.0f + zv * (1.0f - sg));
+                    gy[c] *= zv * sg;
+                }
+            }
+            for (int c = 0; c < CH; c++) {
+                gu[c] = a->Dskip && c < W ? gy[c] * a->Dskip[d0 + c] : 0.0f;
+                gdt[c] = 0.0f;
+            }
+            if (a->Dskip)
+                for (int c = 0; c < W; c++) a->grad_D[d0 + c] += gy[c] * uv[c];
+            for (int n = 0; n < N; n++) {
+                const float Bn = Bt[n], Cn = Ct[n];
+                const float *An = At + n * CH, *pn = prev + n * CH, *cn = cur + n * CH;
+                float *ghn = gh + n * CH, *gAn = gA + n * CH;
+                float gB = 0.0f, gC = 0.0f;
+#pragma omp simd reduction(+ : gB, gC)
+                for (int c = 0; c < CH; c++) {
+                    const float decay = exp_nonpositive(dtv[c] * An[c]);
+                    const float g = ghn[c] + gy[c] * Cn; /* dL/dh_t */
+                    gC += gy[c] * cn[c];
+                    gdt[c] += g * (An[c] * decay * pn[c] + uv[c] * Bn);
+                    gu[c] += g * dtv[c] * Bn;
+                    gB += g * dtv[c] * uv[c];
+                    gAn[c] += g * dtv[c] * decay * pn[c];
+                    ghn[c] = g * decay; /* dL/dh_{t-1} */
+                }
+                gBt[n] += gB;
+                gCt[n] += gC;
+            }
+            for (int c = 0; c < W; c++) {
+                a->grad_u[at + c] = gu[c];
+                a->grad_dt[at + c] = gdt[c];
+            }
+        }
+    }
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < W; c++) {
+            a->grad_h0[((size_t)b * D + d0 + c) * N + n] = gh[n * CH + c];
+            a->grad_A[(size_t)(d0 + c) * N + n] += gA[n * CH + c];
+        }
+    free(checkpoints);
+    free(states);
+}
+
+static void *run_task(void *arg) {
+    Task *a = (Task *)arg;
+    float *scratch = malloc(sizeof(float) * 3 * (size_t)a->N * CH);
+    if (!scratch) { a->failed = 1; return NULL; }
+    for (int b = 0; b < a->batch && !a->failed; b++)
+        for (int d0 = a->d_begin; d0 < a->d_end && !a->failed; d0 += CH) {
+            if (a->grad_y) backward_block(a, b, d0, scratch, scratch + (size_t)a->N * CH);
+            else forward_block(a, b, d0, scratch, scratch + (size_t)a->N * CH);
+        }
+    free(scratch);
+    return NULL;
+}
+
+/* Whole blocks of channels split evenly over up to `threads` tasks; the first runs on the calling thread.
+   A task owns its channels' rows of y, h, grad_A, grad_D; grad_B and grad_C get one (batch, T, N) slice each. */
+static int run(int threads, Task *proto) {
+    enum { MAX_THREADS = 64 };
+    Task tasks[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0}, failed = 0;
+    const int blocks = (proto->D + CH - 1) / CH;
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads > blocks ? blocks : threads;
+    for (int k = threads - 1; k >= 0; k--) {
+        tasks[k] = *proto;
+        tasks[k].d_begin = (int)((long)blocks * k / threads) * CH;
+        tasks[k].d_end = (int)((long)blocks * (k + 1) / threads) * CH;
+        if (tasks[k].d_end > proto->D) tasks[k].d_end = proto->D;
+        if (proto->grad_B) {
+            const size_t slice = (size_t)proto->batch * proto->T * proto->N * k;
+            tasks[k].grad_B = proto->grad_B + slice;
+            tasks[k].grad_C = proto->grad_C + slice;
+        }
+        if (k > 0) started[k] = pthread_create(&ids[k], NULL, run_task, &tasks[k]) == 0;
+        if (k == 0 || !started[k]) run_task(&tasks[k]);
+    }
+    for (int k = 0; k < threads; k++) {
+        if (started[k]) pthread_join(ids[k], NULL);
+        failed |= tasks[k].failed;
+    }
+    return failed;
+}
+
+/* h: the initial state in, the final state out. Returns nonzero when memory ran out. */
+int samba_scan_forward(int threads, int batch, int T, int D, int N, const float *u, const float *dt, const float *A,
+                       const float *B, const float *C, const float *Dskip, const float *z, float *h, float *y) {
+    Task t = {batch, T, D, N, u, dt, A, B, C, Dskip, z, NULL, NULL, h, y};
+    return run(threads, &t);
+}
+
+/* h: the initial state (read only). grad_A, grad_D, grad_B, grad_C must come zeroed; grad_B and grad_C are
+   (threads, batch, T, N), to be summed over the first dimension. grad_h_last may be NULL. Returns nonzero when
+   memory ran out. */
+int samba_scan_backward(int threads, int batch, int T, int D, int N, const float *u, const float *dt, const float *A,
+                        const float *B, const float *C, const float *Dskip, const float *z, float *h,
+                        const float *grad_y, const float *grad_h_last, float *grad_u, float *grad_dt, float *grad_A,
+                        float *grad_B, float *grad_C, float *grad_D, float *grad_z, float *grad_h0) {
+    Task t = {batch, T, D, N, u, dt, A, B, C, Dskip, z, grad_y, grad_h_last, h, NULL,
+              grad_u, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0};
+    return run(threads, &t);
+}
+"""
+
+_CPU_SCAN = None  # the loaded library, or False once building or loading it failed
+
+
+def _cpu_scan_library():
+    """The compiled CPU scan (a ctypes library), built on first use; None where it cannot be (the caller falls back)."""
+    global _CPU_SCAN
+    if _CPU_SCAN is None:
+        _CPU_SCAN = False
+        if os.environ.get("SAMBA_HF_SCAN", "").lower() == "pytorch":
+            return None
+        try:
+            library = ctypes.CDLL(_build_cpu_scan())
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            logger.warning_once(f"samba-hf: the compiled CPU scan is unavailable ({error}); using the PyTorch scan")
+            return None
+        sizes = [ctypes.c_int] * 5  # threads, batch, seq_len, d_inner, d_state
+        library.samba_scan_forward.argtypes = sizes + [ctypes.c_void_p] * 9  # u dt A B C D z h y
+        library.samba_scan_backward.argtypes = sizes + [ctypes.c_void_p] * 18  # u..h, grad_y, grad_h, 8 grads
+        library.samba_scan_forward.restype = library.samba_scan_backward.restype = ctypes.c_int
+        _CPU_SCAN = library
+    return _CPU_SCAN or None
+
+
+def _build_cpu_scan() -> str:
+    """Compile `_CPU_SCAN_SOURCE` for this machine, once: the library's path in the cache. The name hashes the source,
+    the compiler and the CPU, so a cache shared between machines never hands one a library built for another; the
+    file is written under a temporary name and renamed, so concurrent builds never load a half-written one."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    cpu = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu += "".join(line for line in info if line.startswith(("flags", "model name")))
+    except OSError:
+        pass
+    key = hashlib.sha256("\0".join([_CPU_SCAN_SOURCE, compiler, cpu]).encode()).hexdigest()[:16]
+    cache = os.environ.get("SAMBA_HF_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "samba_hf"
+    )
+    path = os.path.join(cache, f"selective_scan_{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(cache, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as build:
+        source = os.path.join(build, "scan.c")
+        with open(source, "w") as f:
+            f.write(_CPU_SCAN_SOURCE)
+        base = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
+        errors = []
+        for flags in (["-march=native", *base], base):  # a compiler without -march=native still gets a build
+            result = subprocess.run([compiler, *flags, source, "-o", os.path.join(build, "scan.so"), "-lpthread"],
+                                    capture_output=True, text=True, timeout=300)
+            if result.returncode == 0:
+                os.replace(os.path.join(build, "scan.so"), path)
+                return path
+            errors.append(result.stderr.strip().splitlines()[-1:] or [f"exit {result.returncode}"])
+        raise RuntimeError(f"{compiler} failed: {errors[-1][0]}")
+
+
+def _pointer(tensor: torch.Tensor | None):
+    return None if tensor is None else ctypes.c_void_p(tensor.data_ptr())
+
+
+def _scan_threads(batch: int, seq_len: int, d_inner: int, d_state: int) -> int:
+    # starting a thread costs about what 20K state updates do: a one-token decode step runs on the calling thread
+    return 1 if batch * seq_len * d_inner * d_state < (1 << 18) else torch.get_num_threads()
+
+
+class _CpuScan(torch.autograd.Function):
+    """The compiled scan with its backward. All inputs float32 and contiguous; D, z and h0 may be None."""
+
+    @staticmethod
+    def forward(ctx, u, dt, A, B, C, D, z, h0):
+        y, h = _cpu_scan_forward(u, dt, A, B, C, D, z, h0)
+        ctx.save_for_backward(u, dt, A, B, C, D, z, h0)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_h):
+        u, dt, A, B, C, D, z, h0 = ctx.saved_tensors
+        (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
+        threads = _scan_threads(batch, seq_len, d_inner, d_state)
+        grads = {
+            "u": torch.empty_like(u), "dt": torch.empty_like(dt), "A": torch.zeros_like(A),
+            "B": B.new_zeros(threads, *B.shape), "C": C.new_zeros(threads, *C.shape),
+            "D": None if D is None else torch.zeros_like(D), "z": None if z is None else torch.empty_like(z),
+            "h0": u.new_empty(batch, d_inner, d_state),
+        }
+        state = h0 if h0 is not None else u.new_zeros(batch, d_inner, d_state)
+        # named, so that they live until the call returns (a pointer does not keep its tensor alive)
+        grad_y = grad_y.float().contiguous()
+        grad_h = None if grad_h is None else grad_h.float().contiguous()
+        failed = _cpu_scan_library().samba_scan_backward(
+            threads, batch, seq_len, d_inner, d_state,
+            *map(_pointer, (u, dt, A, B, C, D, z, state, grad_y, grad_h, *grads.values())),
+        )
+        if failed:
+            raise MemoryError("samba-hf: out of memory in the CPU scan's backward")
+        grads["B"], grads["C"] = grads["B"].sum(0), grads["C"].sum(0)
+        return tuple(grads[name] if need else None for name, need in zip(grads, ctx.needs_input_grad))
+
+
+def _cpu_scan_forward(u, dt, A, B, C, D, z, h0):
+    (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
+    h = u.new_zeros(batch, d_inner, d_state) if h0 is None else h0.clone()
+    y = torch.empty_like(u)
+    failed = _cpu_scan_library().samba_scan_forward(
+        _scan_threads(batch, seq_len, d_inner, d_state), batch, seq_len, d_inner, d_state,
+        *map(_pointer, (u, dt, A, B, C, D, z, h, y)),
+    )
+    if failed:
+        raise MemoryError("samba-hf: out of memory in the CPU scan")
+    return y, h
+
+
+def selective_scan_cpu(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled CPU scan (same arguments and results as `selective_scan_pytorch`), differentiable. A must be <= 0,
+    as the model's A = -exp(A_log) is: each decay exp(dt * A) is then in (0, 1], and nothing overflows at any length."""
+    inputs = [None if x is None else x.float().contiguous() for x in (u, dt, A, B, C, D, z, h0)]
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+        y, h = _CpuScan.apply(*inputs)
+    else:
+        with torch.no_grad():
+            y, h = _cpu_scan_forward(*inputs)
     return y.to(u.dtype), h
 
 

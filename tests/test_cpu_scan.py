@@ -1,0 +1,161 @@
+"""The compiled CPU scan (`ssm_samba.selective_scan_cpu`): its backward against float64 autograd of the recurrence
+written out step by step, its thread split, padding, the whole model against the PyTorch scan, and the fallback
+where no compiler is found. The forward against float64 is in test_reference_models.py (both scans)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from samba_hf import ssm_samba
+
+from conftest import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def compiled():
+    assert ssm_samba._cpu_scan_library() is not None, "the compiled CPU scan did not build (is there a C compiler?)"
+
+
+def float64_recurrence(u, dt, A, B, C, D, z, h):
+    """h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t; y_t = (<h_t, C_t> + D u_t) silu(z_t), step by step, float64."""
+    ys = []
+    for t in range(u.shape[1]):
+        h = torch.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * u[:, t])[..., None] * B[:, t, None, :]
+        y = (h * C[:, t, None, :]).sum(-1)
+        if D is not None:
+            y = y + D * u[:, t]
+        ys.append(y if z is None else y * z[:, t] * torch.sigmoid(z[:, t]))
+    return torch.stack(ys, dim=1), h
+
+
+def inputs(batch=2, seq_len=150, d_inner=37, d_state=5, seed=0):
+    """d_inner 37: two whole blocks of 16 channels and a partial one; 150 steps: three backward segments of 64."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        u=torch.randn(batch, seq_len, d_inner, generator=g),
+        dt=torch.nn.functional.softplus(torch.randn(batch, seq_len, d_inner, generator=g) - 2),
+        A=-torch.exp(torch.randn(d_inner, d_state, generator=g)),
+        B=torch.randn(batch, seq_len, d_state, generator=g),
+        C=torch.randn(batch, seq_len, d_state, generator=g),
+        D=torch.randn(d_inner, generator=g),
+        z=torch.randn(batch, seq_len, d_inner, generator=g),
+        h0=torch.randn(batch, d_inner, d_state, generator=g),
+    )
+
+
+@pytest.mark.parametrize("optional", [("D", "z", "h0"), ()], ids=["with-D-z-h0", "without"])
+def test_gradients_match_float64_autograd(optional):
+    x = inputs()
+    for name in ("D", "z", "h0"):
+        if name not in optional:
+            x[name] = None
+    ours = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
+    ref = {k: v.double().requires_grad_() for k, v in x.items() if v is not None}
+    y, h = ssm_samba.selective_scan_cpu(**ours)
+    ref_inputs = {**ref, "h": ref.pop("h0", torch.zeros(2, 37, 5, dtype=torch.float64))}
+    y_ref, h_ref = float64_recurrence(**{k: ref_inputs.get(k) for k in ("u", "dt", "A", "B", "C", "D", "z", "h")})
+    g = torch.Generator().manual_seed(1)
+    grad_y, grad_h = torch.randn(y.shape, generator=g), torch.randn(h.shape, generator=g)
+    ((y * grad_y).sum() + (h * grad_h).sum()).backward()
+    ((y_ref * grad_y.double()).sum() + (h_ref * grad_h.double()).sum()).backward()
+    ref_grads = {**{k: v.grad for k, v in ref.items()}, "h0": ref_inputs["h"].grad}
+    for name, tensor in ours.items():
+        expected = ref_grads[name]
+        scale = expected.abs().max().item()
+        assert (tensor.grad.double() - expected).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_only_the_inputs_that_need_a_gradient_get_one():
+    x = inputs()
+    x["dt"].requires_grad_()
+    y, _ = ssm_samba.selective_scan_cpu(**x)
+    (grad,) = torch.autograd.grad(y.sum(), [x["dt"]])
+    assert grad.shape == x["dt"].shape and torch.isfinite(grad).all()
+    assert all(v.grad is None for k, v in x.items() if k != "dt")
+
+
+def test_threads_split_channels_without_changing_results(monkeypatch):
+    x = {k: v.requires_grad_() for k, v in inputs().items()}
+    results = []
+    for threads in (1, 3):
+        monkeypatch.setattr(ssm_samba, "_scan_threads", lambda *shape, n=threads: n)
+        y, h = ssm_samba.selective_scan_cpu(**x)
+        grads = torch.autograd.grad(y.square().sum() + h.sum(), list(x.values()))
+        results.append((y, h, grads))
+    (y1, h1, g1), (y3, h3, g3) = results
+    assert torch.equal(y1, y3) and torch.equal(h1, h3)  # each channel's steps are the same whatever the split
+    for a, b in zip(g1, g3):  # B and C sum the per-thread slices in another order
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_zero_step_leaves_the_state_exactly_as_it_was():
+    """Padding: dt = 0 neither decays nor feeds the state, bit for bit, so a padded row ends where it started."""
+    x = inputs(seq_len=20)
+    x["dt"][:, 5:] = 0.0
+    _, h_full = ssm_samba.selective_scan_cpu(**x)
+    _, h_five = ssm_samba.selective_scan_cpu(**{k: v[:, :5] if v.dim() == 3 and k != "h0" else v for k, v in x.items()})
+    assert torch.equal(h_full, h_five)
+
+
+def test_model_matches_the_pytorch_scan(monkeypatch):
+    """The whole model, forward and gradients, through the compiled scan and through the PyTorch one."""
+    model = tiny_model(num_hidden_layers=4)
+    ids = torch.randint(3, 97, (2, 40))
+    runs = []
+    for library in (ssm_samba._cpu_scan_library(), False):
+        monkeypatch.setattr(ssm_samba, "_CPU_SCAN", library)
+        model.zero_grad()
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        runs.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (logits_c, grads_c), (logits_p, grads_p) = runs
+    torch.testing.assert_close(logits_c, logits_p, rtol=1e-5, atol=1e-5)
+    for name in grads_c:
+        torch.testing.assert_close(grads_c[name], grads_p[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+SNIPPET = """
+import torch
+from samba_hf import ssm_samba
+g = torch.Generator().manual_seed(0)
+u = torch.randn(1, 9, 4, generator=g)
+dt = torch.full((1, 9, 4), 0.1)
+y, h = ssm_samba.selective_scan(u, dt, -torch.ones(4, 3), torch.randn(1, 9, 3, generator=g), torch.randn(1, 9, 3, generator=g))
+print("library", ssm_samba._CPU_SCAN is not False)
+print("finite", bool(torch.isfinite(y).all()))
+"""
+
+
+def run_snippet(tmp_path, **env):
+    cache = tmp_path / "cache"
+    result = subprocess.run(
+        [sys.executable, "-c", SNIPPET], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "SAMBA_HF_CACHE": str(cache), **env},
+    )
+    assert result.returncode == 0, result.stderr
+    return result, cache
+
+
+def test_no_compiler_falls_back_to_the_pytorch_scan(tmp_path):
+    result, cache = run_snippet(tmp_path, CC=str(tmp_path / "no-such-compiler"))
+    assert "library False" in result.stdout and "finite True" in result.stdout
+    assert "the compiled CPU scan is unavailable" in result.stderr and "using the PyTorch scan" in result.stderr
+    assert not cache.exists() or not any(cache.rglob("*.so"))
+
+
+def test_environment_variable_selects_the_pytorch_scan(tmp_path):
+    result, cache = run_snippet(tmp_path, SAMBA_HF_SCAN="pytorch")
+    assert "library False" in result.stdout and not cache.exists()
+
+
+def test_build_leaves_one_library_in_the_cache_and_reuses_it(tmp_path):
+    result, cache = run_snippet(tmp_path)
+    assert "library True" in result.stdout
+    built = sorted(p.name for p in cache.iterdir())
+    assert len(built) == 1 and built[0].startswith("selective_scan_") and built[0].endswith(".so")  # no temp dirs
+    mtime = (cache / built[0]).stat().st_mtime_ns
+    run_snippet(tmp_path)
+    assert sorted(p.name for p in cache.iterdir()) == built and (cache / built[0]).stat().st_mtime_ns == mtime
