@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None, help="with --do-sample (default 1.0)")
     gen.add_argument("--seed", type=int, default=None, help="with --do-sample: same seed, same tokens")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                     help="auto: float32 on CPU, bfloat16 on CUDA")
+                     help="auto: bfloat16 on CUDA, and on CPUs that multiply it natively and faster; else float32")
     gen.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
     gen.add_argument("--prefill-chunk-size", type=int, default=8192,
                      help="prompts longer than this are read in chunks of this many tokens (bounded memory)")

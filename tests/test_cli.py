@@ -88,3 +88,49 @@ def test_long_prompt_goes_through_chunked_prefill(capsys):
     assert length > 64
     assert main(["generate", prompt, "--max-new-tokens", "4", "--prefill-chunk-size", "64"]) == 0
     assert f"{length}-token prompt" in capsys.readouterr().err
+
+
+# --dtype auto on CPU: bf16 only where the CPU multiplies it natively and the timing says it is faster
+def _auto_dtype(monkeypatch, machine, native, bf16_seconds):
+    import platform
+
+    import samba_hf.cli as cli
+
+    cli.cpu_bfloat16_is_faster.cache_clear()
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    real_linear = torch.nn.functional.linear
+    clock = {"now": 0.0}
+
+    def timed_linear(x, w):  # advances a fake clock: bf16 takes bf16_seconds, float32 one second
+        clock["now"] += bf16_seconds if x.dtype == torch.bfloat16 else 1.0
+        return real_linear(x, w)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", timed_linear)
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock["now"])
+    try:
+        return cli.resolve_dtype("auto", torch.device("cpu"))
+    finally:
+        cli.cpu_bfloat16_is_faster.cache_clear()
+
+
+@pytest.mark.parametrize("machine, native, bf16_seconds, expected", [
+    ("x86_64", False, 0.1, torch.float32),   # no AVX512-BF16 / AMX: emulated bf16, never chosen, not even timed
+    ("x86_64", True, 0.5, torch.bfloat16),   # native and faster
+    ("x86_64", True, 2.0, torch.float32),    # native but slower here
+    ("aarch64", False, 0.5, torch.bfloat16),  # other architectures: the timing decides
+    ("aarch64", False, 2.0, torch.float32),
+])
+def test_auto_dtype_on_cpu_takes_bf16_only_where_native_and_faster(monkeypatch, machine, native, bf16_seconds, expected):
+    assert _auto_dtype(monkeypatch, machine, native, bf16_seconds) == expected
+
+
+def test_auto_dtype_is_decided_once_per_process():
+    import samba_hf.cli as cli
+
+    cli.cpu_bfloat16_is_faster.cache_clear()
+    first = cli.resolve_dtype("auto", torch.device("cpu"))
+    assert first in (torch.float32, torch.bfloat16)
+    assert cli.cpu_bfloat16_is_faster.cache_info().misses == 1
+    assert cli.resolve_dtype("auto", torch.device("cpu")) == first and cli.cpu_bfloat16_is_faster.cache_info().hits == 1

@@ -6,6 +6,7 @@ match its config, an output that cannot be written) end with one `samba-hf: erro
 traceback; no model runs or is written with weights that did not come from its files.
 """
 
+import functools
 import os
 import sys
 import time
@@ -60,11 +61,43 @@ def resolve_device(name: str):
 
 
 def resolve_dtype(name: str, device):
+    """`auto`: bfloat16 on CUDA; on CPU bfloat16 only where `cpu_bfloat16_is_faster()`, else float32. Whatever the
+    dtype, the model keeps A_log / D, the scan and the SSM state in float32."""
     import torch
 
-    if name == "auto":  # bf16 matmuls are very slow on CPUs without bf16 units
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if device.type == "cpu" and cpu_bfloat16_is_faster() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@functools.cache
+def cpu_bfloat16_is_faster() -> bool:
+    """Whether this CPU multiplies bfloat16 natively and faster than float32, decided here and now: an x86 CPU needs
+    AVX512-BF16 or AMX (without them PyTorch emulates bf16 products, several times slower than float32; other
+    architectures are judged by the timing alone), and then bf16 must win both a decode-like product (one row: weights
+    read once) and a prefill-like one (128 rows), best of 5 each. About 50 ms."""
+    import platform
+
+    import torch
+
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") and not (
+        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    ):
+        return False
+
+    def best_time(rows, dtype):
+        x, w = torch.randn(rows, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    with torch.inference_mode():
+        return all(best_time(rows, torch.bfloat16) < best_time(rows, torch.float32) for rows in (1, 128))
 
 
 def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype, any_model: bool = False,
