@@ -150,7 +150,9 @@ def main():
     trainer = Trainer(model=model, args=training, train_dataset=Blocks(train_ids, args.block))
     start = time.perf_counter()
     trainer.train()
-    minutes = (time.perf_counter() - start) / 60
+    seconds = time.perf_counter() - start
+    minutes = seconds / 60
+    tokens_per_s = args.max_steps * args.batch_size * args.block / seconds
 
     model.eval()
     held = Blocks(eval_ids, args.block)
@@ -160,10 +162,11 @@ def main():
     prompt = "The assert statement"
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     sample = tokenizer.decode(model.generate(ids, max_new_tokens=40, do_sample=False)[0])
-    print(f"trained in {minutes:.1f} min; held-out perplexity {perplexity:.2f} on {len(held) * args.block:,} tokens")
+    print(f"trained in {minutes:.1f} min ({tokens_per_s:,.0f} tokens/s); held-out perplexity {perplexity:.2f} on {len(held) * args.block:,} tokens")
     print(f"greedy sample: {sample!r}")
 
-    report = {"train_minutes": round(minutes, 1), "held_out_perplexity": round(perplexity, 2),
+    report = {"train_minutes": round(minutes, 1), "train_tokens_per_s": round(tokens_per_s),
+              "final_train_loss": round(trainer.state.log_history[-1]["train_loss"], 4), "held_out_perplexity": round(perplexity, 2),
               "held_out_tokens": len(held) * args.block, "training_tokens": len(train_ids),
               "steps": args.max_steps, "parameters": model.num_parameters(), "sample_prompt": prompt,
               "greedy_sample": sample, "stored": "bfloat16 (A_log, D float32)",

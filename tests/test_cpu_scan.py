@@ -46,9 +46,10 @@ def inputs(batch=2, seq_len=150, d_inner=37, d_state=5, seed=0):
     )
 
 
+@pytest.mark.parametrize("seq_len", [1, 64, 150])
 @pytest.mark.parametrize("optional", [("D", "z", "h0"), ()], ids=["with-D-z-h0", "without"])
-def test_gradients_match_float64_autograd(optional):
-    x = inputs()
+def test_gradients_match_float64_autograd(optional, seq_len):
+    x = inputs(seq_len=seq_len)
     for name in ("D", "z", "h0"):
         if name not in optional:
             x[name] = None

@@ -154,7 +154,7 @@ _CPU_SCAN_SOURCE = r"""
 #include <math.h>
 
 #define CH 16         /* channels per block */
-#define SEGMENT 64    /* backward: states are recomputed from a checkpoint every SEGMENT steps */
+#define SEGMENT 64    /* the forward keeps the state every SEGMENT steps; the backward recomputes from there */
 
 /* exp(x) for x <= 0 (x = dt * A), within 2 ulp: 2^k exp(r), r = x - k ln2 in [-ln2/2, ln2/2], degree-7 Taylor.
    Below -86 (a decay under 5e-38, which has wiped the state) it returns exp(-86), so 2^k stays a normal float. */
@@ -182,7 +182,7 @@ static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 typedef struct {
     int batch, T, D, N;
     const float *u, *dt, *A, *B, *C, *Dskip, *z, *grad_y, *grad_h_last;
-    float *h, *y;
+    float *h, *y, *checkpoints; /* checkpoints (batch, segments, D, N): the state before steps 0, SEGMENT, ... */
     float *grad_u, *grad_dt, *grad_A, *grad_B, *grad_C, *grad_D, *grad_z, *grad_h0;
     int d_begin, d_end, failed;
 } Task;
@@ -203,8 +203,22 @@ static inline void step(int N, const float *At, const float *dtv, const float *d
     }
 }
 
+/* h (N, CH) <- exp(dt A) h_prev + dt u B, keeping the decays exp(dt A) (N, CH) */
+static inline void step_keeping_decays(int N, const float *At, const float *dtv, const float *du, const float *Bt,
+                                       const float *h_prev, float *h, float *decay) {
+    for (int n = 0; n < N; n++) {
+        const float Bn = Bt[n];
+#pragma omp simd
+        for (int c = 0; c < CH; c++) {
+            decay[n * CH + c] = exp_nonpositive(dtv[c] * At[n * CH + c]);
+            h[n * CH + c] = decay[n * CH + c] * h_prev[n * CH + c] + du[c] * Bn;
+        }
+    }
+}
+
 static void forward_block(const Task *a, int b, int d0, float *At, float *h) {
     const int T = a->T, D = a->D, N = a->N, W = a->d_end - d0 < CH ? a->d_end - d0 : CH;
+    const int segments = (T + SEGMENT - 1) / SEGMENT;
     for (int n = 0; n < N; n++)
         for (int c = 0; c < CH; c++) {
             At[n * CH + c] = c < W ? a->A[(size_t)(d0 + c) * N + n] : 0.0f;
@@ -213,6 +227,10 @@ static void forward_block(const Task *a, int b, int d0, float *At, float *h) {
     float dtv[CH], uv[CH], du[CH], acc[CH];
     for (int t = 0; t < T; t++) {
         const size_t row = (size_t)b * T + t, at = row * D + d0;
+        if (a->checkpoints && t % SEGMENT == 0)
+            for (int n = 0; n < N; n++)
+                for (int c = 0; c < W; c++)
+                    a->checkpoints[(((size_t)b * segments + t / SEGMENT) * D + d0 + c) * N + n] = h[n * CH + c];
         load(a->dt, at, W, dtv);
         load(a->u, at, W, uv);
         for (int c = 0; c < CH; c++) du[c] = dtv[c] * uv[c];
@@ -239,47 +257,37 @@ static void backward_block(Task *a, int b, int d0, float *At, float *work) {
     const int segments = (T + SEGMENT - 1) / SEGMENT;
     const size_t width = (size_t)N * CH;
     float *gh = work, *gA = work + width;
-    float *checkpoints = malloc(sizeof(float) * width * (segments + 1));
-    float *states = malloc(sizeof(float) * width * SEGMENT);
-    if (!checkpoints || !states) { free(checkpoints); free(states); a->failed = 1; return; }
+    /* one segment at a time: its first state (a checkpoint), then each step's state and decays, as the forward had them */
+    float *start = malloc(sizeof(float) * width * (1 + 2 * SEGMENT));
+    if (!start) { a->failed = 1; return; }
+    float *states = start + width, *decays = states + width * SEGMENT;
     for (int n = 0; n < N; n++)
         for (int c = 0; c < CH; c++) {
             const size_t i = ((size_t)b * D + d0 + c) * N + n;
             At[n * CH + c] = c < W ? a->A[(size_t)(d0 + c) * N + n] : 0.0f;
-            checkpoints[n * CH + c] = c < W ? a->h[i] : 0.0f;
             gh[n * CH + c] = c < W && a->grad_h_last ? a->grad_h_last[i] : 0.0f;
             gA[n * CH + c] = 0.0f;
         }
-    float dtv[CH], uv[CH], du[CH];
-    for (int s = 0; s < segments; s++) { /* checkpoints[s] = the state before step s * SEGMENT */
-        float *h = checkpoints + (size_t)(s + 1) * width;
-        memcpy(h, h - width, sizeof(float) * width);
-        for (int t = s * SEGMENT; t < T && t < (s + 1) * SEGMENT; t++) {
-            const size_t row = (size_t)b * T + t;
-            load(a->dt, row * D + d0, W, dtv);
-            load(a->u, row * D + d0, W, uv);
-            for (int c = 0; c < CH; c++) du[c] = dtv[c] * uv[c];
-            step(N, At, dtv, du, a->B + row * N, h);
-        }
-    }
-    float gy[CH], gu[CH], gdt[CH];
+    float dtv[CH], uv[CH], du[CH], gy[CH], gu[CH], gdt[CH];
     for (int s = segments - 1; s >= 0; s--) {
         const int t0 = s * SEGMENT, t1 = (s + 1) * SEGMENT < T ? (s + 1) * SEGMENT : T;
-        for (int t = t0; t < t1; t++) { /* states[t - t0] = the state after step t, as the forward had it */
+        for (int n = 0; n < N; n++)
+            for (int c = 0; c < CH; c++)
+                start[n * CH + c] = c < W ? a->checkpoints[(((size_t)b * segments + s) * D + d0 + c) * N + n] : 0.0f;
+        for (int t = t0; t < t1; t++) { /* states[t - t0] = the state after step t */
             const size_t row = (size_t)b * T + t;
-            float *cur = states + (size_t)(t - t0) * width;
-            memcpy(cur, t == t0 ? checkpoints + (size_t)s * width : cur - width, sizeof(float) * width);
             load(a->dt, row * D + d0, W, dtv);
             load(a->u, row * D + d0, W, uv);
             for (int c = 0; c < CH; c++) du[c] = dtv[c] * uv[c];
-            step(N, At, dtv, du, a->B + row * N, cur);
+            step_keeping_decays(N, At, dtv, du, a->B + row * N, t == t0 ? start : states + (t - t0 - 1) * width,
+                                states + (t - t0) * width, decays + (t - t0) * width);
         }
         for (int t = t1 - 1; t >= t0; t--) {
             const size_t row = (size_t)b * T + t, at = row * D + d0;
             const float *Bt = a->B + row * N, *Ct = a->C + row * N;
             float *gBt = a->grad_B + row * N, *gCt = a->grad_C + row * N;
-            const float *prev = t == t0 ? checkpoints + (size_t)s * width : states + (size_t)(t - t0 - 1) * width;
-            const float *cur = states + (size_t)(t - t0) * width;
+            const float *prev = t == t0 ? start : states + (size_t)(t - t0 - 1) * width;
+            const float *cur = states + (size_t)(t - t0) * width, *decay_t = decays + (size_t)(t - t0) * width;
             load(a->dt, at, W, dtv);
             load(a->u, at, W, uv);
             load(a->grad_y, at, W, gy);
@@ -300,12 +308,12 @@ static void backward_block(Task *a, int b, int d0, float *At, float *work) {
                 for (int c = 0; c < W; c++) a->grad_D[d0 + c] += gy[c] * uv[c];
             for (int n = 0; n < N; n++) {
                 const float Bn = Bt[n], Cn = Ct[n];
-                const float *An = At + n * CH, *pn = prev + n * CH, *cn = cur + n * CH;
+                const float *An = At + n * CH, *pn = prev + n * CH, *cn = cur + n * CH, *dn = decay_t + n * CH;
                 float *ghn = gh + n * CH, *gAn = gA + n * CH;
                 float gB = 0.0f, gC = 0.0f;
 #pragma omp simd reduction(+ : gB, gC)
                 for (int c = 0; c < CH; c++) {
-                    const float decay = exp_nonpositive(dtv[c] * An[c]);
+                    const float decay = dn[c];
                     const float g = ghn[c] + gy[c] * Cn; /* dL/dh_t */
                     gC += gy[c] * cn[c];
                     gdt[c] += g * (An[c] * decay * pn[c] + uv[c] * Bn);
@@ -328,8 +336,7 @@ static void backward_block(Task *a, int b, int d0, float *At, float *work) {
             a->grad_h0[((size_t)b * D + d0 + c) * N + n] = gh[n * CH + c];
             a->grad_A[(size_t)(d0 + c) * N + n] += gA[n * CH + c];
         }
-    free(checkpoints);
-    free(states);
+    free(start);
 }
 
 static void *run_task(void *arg) {
@@ -374,26 +381,29 @@ static int run(int threads, Task *proto) {
     return failed;
 }
 
-/* h: the initial state in, the final state out. Returns nonzero when memory ran out. */
+/* h: the initial state in, the final state out. checkpoints (batch, ceil(T / SEGMENT), D, N), or NULL: for the
+   backward. Returns nonzero when memory ran out. */
 int samba_scan_forward(int threads, int batch, int T, int D, int N, const float *u, const float *dt, const float *A,
-                       const float *B, const float *C, const float *Dskip, const float *z, float *h, float *y) {
-    Task t = {batch, T, D, N, u, dt, A, B, C, Dskip, z, NULL, NULL, h, y};
+                       const float *B, const float *C, const float *Dskip, const float *z, float *h, float *y,
+                       float *checkpoints) {
+    Task t = {batch, T, D, N, u, dt, A, B, C, Dskip, z, NULL, NULL, h, y, checkpoints};
     return run(threads, &t);
 }
 
-/* h: the initial state (read only). grad_A, grad_D, grad_B, grad_C must come zeroed; grad_B and grad_C are
+/* checkpoints: as the forward wrote them. grad_A, grad_D, grad_B, grad_C must come zeroed; grad_B and grad_C are
    (threads, batch, T, N), to be summed over the first dimension. grad_h_last may be NULL. Returns nonzero when
    memory ran out. */
 int samba_scan_backward(int threads, int batch, int T, int D, int N, const float *u, const float *dt, const float *A,
-                        const float *B, const float *C, const float *Dskip, const float *z, float *h,
+                        const float *B, const float *C, const float *Dskip, const float *z, float *checkpoints,
                         const float *grad_y, const float *grad_h_last, float *grad_u, float *grad_dt, float *grad_A,
                         float *grad_B, float *grad_C, float *grad_D, float *grad_z, float *grad_h0) {
-    Task t = {batch, T, D, N, u, dt, A, B, C, Dskip, z, grad_y, grad_h_last, h, NULL,
+    Task t = {batch, T, D, N, u, dt, A, B, C, Dskip, z, grad_y, grad_h_last, NULL, NULL, checkpoints,
               grad_u, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0};
     return run(threads, &t);
 }
 """
 
+_CPU_SCAN_SEGMENT = 64  # SEGMENT in the source above
 _CPU_SCAN = None  # the loaded library, or False once building or loading it failed
 
 
@@ -410,8 +420,8 @@ def _cpu_scan_library():
             logger.warning_once(f"samba-hf: the compiled CPU scan is unavailable ({error}); using the PyTorch scan")
             return None
         sizes = [ctypes.c_int] * 5  # threads, batch, seq_len, d_inner, d_state
-        library.samba_scan_forward.argtypes = sizes + [ctypes.c_void_p] * 9  # u dt A B C D z h y
-        library.samba_scan_backward.argtypes = sizes + [ctypes.c_void_p] * 18  # u..h, grad_y, grad_h, 8 grads
+        library.samba_scan_forward.argtypes = sizes + [ctypes.c_void_p] * 10  # u dt A B C D z h y checkpoints
+        library.samba_scan_backward.argtypes = sizes + [ctypes.c_void_p] * 18  # u..z, checkpoints, grad_y, grad_h, 8 grads
         library.samba_scan_forward.restype = library.samba_scan_backward.restype = ctypes.c_int
         _CPU_SCAN = library
     return _CPU_SCAN or None
@@ -468,13 +478,13 @@ class _CpuScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, dt, A, B, C, D, z, h0):
-        y, h = _cpu_scan_forward(u, dt, A, B, C, D, z, h0)
-        ctx.save_for_backward(u, dt, A, B, C, D, z, h0)
+        y, h, checkpoints = _cpu_scan_forward(u, dt, A, B, C, D, z, h0, keep_checkpoints=True)
+        ctx.save_for_backward(u, dt, A, B, C, D, z, checkpoints)
         return y, h
 
     @staticmethod
     def backward(ctx, grad_y, grad_h):
-        u, dt, A, B, C, D, z, h0 = ctx.saved_tensors
+        u, dt, A, B, C, D, z, checkpoints = ctx.saved_tensors
         (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
         threads = _scan_threads(batch, seq_len, d_inner, d_state)
         grads = {
@@ -483,13 +493,12 @@ class _CpuScan(torch.autograd.Function):
             "D": None if D is None else torch.zeros_like(D), "z": None if z is None else torch.empty_like(z),
             "h0": u.new_empty(batch, d_inner, d_state),
         }
-        state = h0 if h0 is not None else u.new_zeros(batch, d_inner, d_state)
         # named, so that they live until the call returns (a pointer does not keep its tensor alive)
         grad_y = grad_y.float().contiguous()
         grad_h = None if grad_h is None else grad_h.float().contiguous()
         failed = _cpu_scan_library().samba_scan_backward(
             threads, batch, seq_len, d_inner, d_state,
-            *map(_pointer, (u, dt, A, B, C, D, z, state, grad_y, grad_h, *grads.values())),
+            *map(_pointer, (u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h, *grads.values())),
         )
         if failed:
             raise MemoryError("samba-hf: out of memory in the CPU scan's backward")
@@ -497,17 +506,20 @@ class _CpuScan(torch.autograd.Function):
         return tuple(grads[name] if need else None for name, need in zip(grads, ctx.needs_input_grad))
 
 
-def _cpu_scan_forward(u, dt, A, B, C, D, z, h0):
+def _cpu_scan_forward(u, dt, A, B, C, D, z, h0, keep_checkpoints=False):
+    """y, the last state, and (keep_checkpoints) the state before every 64th step, for the backward."""
     (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
     h = u.new_zeros(batch, d_inner, d_state) if h0 is None else h0.clone()
     y = torch.empty_like(u)
+    segments = -(-seq_len // _CPU_SCAN_SEGMENT)
+    checkpoints = u.new_empty(batch, segments, d_inner, d_state) if keep_checkpoints else None
     failed = _cpu_scan_library().samba_scan_forward(
         _scan_threads(batch, seq_len, d_inner, d_state), batch, seq_len, d_inner, d_state,
-        *map(_pointer, (u, dt, A, B, C, D, z, h, y)),
+        *map(_pointer, (u, dt, A, B, C, D, z, h, y, checkpoints)),
     )
     if failed:
         raise MemoryError("samba-hf: out of memory in the CPU scan")
-    return y, h
+    return (y, h, checkpoints) if keep_checkpoints else (y, h)
 
 
 def selective_scan_cpu(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -571,4 +583,10 @@ def causal_conv(conv1d: nn.Conv1d, window: torch.Tensor, seq_len: int) -> torch.
         if conv_fn is not None:
             return conv_fn(window.contiguous(), weight, conv1d.bias, activation=None)[..., -seq_len:]
         logger.warning_once("samba-hf: causal-conv1d is not installed; the Mamba conv runs as a PyTorch Conv1d")
+    kernel_size = conv1d.kernel_size[0]
+    if seq_len == 1 and type(conv1d) is nn.Conv1d and window.shape[-1] >= kernel_size:
+        # a decode step: one dot product of each channel's last kernel_size inputs with its taps (a Conv1d call
+        # costs ~8x more here, for 4 taps)
+        out = (window[..., -kernel_size:] * conv1d.weight[:, 0, :]).sum(-1, keepdim=True)
+        return out if conv1d.bias is None else out + conv1d.bias[:, None]
     return conv1d(window)[..., : window.shape[-1]][..., -seq_len:]
