@@ -126,11 +126,12 @@ def time_decode_interleaved(models: dict, contexts: list[int], device: str, step
     return {name: {c: 1.0 / statistics.median(times[(name, c)]) for c in contexts} for name in models}
 
 
-def time_prefill_interleaved(models: dict, lengths: list[int], device: str, repeats: int, peer_max: int) -> dict:
-    """{name: {length: seconds}}: the median over `repeats` rounds, each round timing every model in turn."""
+def time_prefill_interleaved(models: dict, lengths: list[int], device: str, repeats: int, limits: dict) -> dict:
+    """{name: {length: seconds}}: the median over `repeats` rounds, each round timing every model in turn. A model
+    with a limit in `limits` is timed up to that length only."""
     out = {name: {} for name in models}
     for length in lengths:
-        names = [n for n in models if n == "samba" or length <= peer_max]
+        names = [n for n in models if length <= limits.get(n, length)]
         times = {n: [] for n in names}
         for _ in range(repeats if length <= 8192 else 1):  # a long prefill takes minutes: one round
             for name in names:
@@ -249,7 +250,8 @@ def main():
                         "CPU computes it natively and faster (always on a GPU)")
     parser.add_argument("--bf16-prefill-max", type=int, default=None,
                         help="longest prefill timed in bfloat16 (default: all of --prefill)")
-    parser.add_argument("--peer-prefill-max", type=int, default=32768, help="longest prefill timed for the peers")
+    parser.add_argument("--prefill-limits", default="",
+                        help="longest prefill per model, e.g. mistral=8192,mamba=8192 (default: every length)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per prefill length up to 8K")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per (model, context)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-process peak-memory measurements")
@@ -298,8 +300,8 @@ def main():
         lengths = prefill_lengths
         if dtype == torch.bfloat16 and args.bf16_prefill_max is not None:
             lengths = [n for n in lengths if n <= args.bf16_prefill_max]
-        for name, times in time_prefill_interleaved(models, lengths, args.device, args.repeats,
-                                                    args.peer_prefill_max).items():
+        limits = {k: int(v) for k, v in (item.split("=") for item in args.prefill_limits.split(",") if item)}
+        for name, times in time_prefill_interleaved(models, lengths, args.device, args.repeats, limits).items():
             run[name]["prefill_s"] = times
         for name, rates in time_decode_interleaved(models, decode_contexts, args.device, args.steps).items():
             run[name]["decode_tokens_per_s"] = rates

@@ -1,5 +1,6 @@
-"""The Mamba scan alone: samba-hf's blocked PyTorch scan against a per-token loop laid out as transformers' Mamba
-does it, with the max abs difference against a float64 recurrence.
+"""The Mamba scan alone: samba-hf's compiled CPU scan and its PyTorch fallback (blocked) against a per-token loop laid
+out as transformers' Mamba does it, with the max abs difference against a float64 recurrence; forward, and forward
+plus backward.
 
     python benchmarks/scan_speed.py [--lengths 2048,8192] [--d-inner 1536]
 """
@@ -10,7 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from samba_hf.ssm_samba import selective_scan_pytorch
+from samba_hf.ssm_samba import selective_scan_cpu, selective_scan_pytorch
 
 
 def per_token_loop(u, dt, A, B, C):
@@ -36,16 +37,24 @@ def main():
     for length in (int(x) for x in args.lengths.split(",")):
         u, B, C = torch.randn(1, length, d), torch.randn(1, length, n), torch.randn(1, length, n)
         dt = F.softplus(torch.randn(1, length, d) - 3)
-        with torch.inference_mode():
-            start = time.perf_counter()
-            ours, _ = selective_scan_pytorch(u, dt, A, B, C)
-            t_ours = time.perf_counter() - start
-            start = time.perf_counter()
-            loop = per_token_loop(u, dt, A, B, C)
-            t_loop = time.perf_counter() - start
-            ref = per_token_loop(u.double(), dt.double(), A.double(), B.double(), C.double()) if length <= 2048 else None
-        err = "" if ref is None else f", max abs error vs float64 {(ours.double() - ref).abs().max().item():.1e}"
-        print(f"L={length}: blocked scan {t_ours:.3f} s, per-token loop {t_loop:.3f} s ({t_loop / t_ours:.1f}x){err}")
+        ref = per_token_loop(u.double(), dt.double(), A.double(), B.double(), C.double()) if length <= 2048 else None
+        line = [f"L={length}:"]
+        for name, scan in (("compiled", selective_scan_cpu), ("pytorch", selective_scan_pytorch),
+                           ("per-token loop", lambda *x: (per_token_loop(*x), None))):
+            with torch.inference_mode():
+                start = time.perf_counter()
+                y, _ = scan(u, dt, A, B, C)
+                forward = time.perf_counter() - start
+            err = "" if ref is None else f", error {(y.double() - ref).abs().max().item():.1e}"
+            backward = ""
+            if name != "per-token loop":
+                inputs = [x.clone().requires_grad_() for x in (u, dt, B, C)]
+                start = time.perf_counter()
+                y, _ = scan(inputs[0], inputs[1], A, inputs[2], inputs[3])
+                y.sum().backward()
+                backward = f", with backward {time.perf_counter() - start:.3f} s"
+            line.append(f"{name} {forward:.3f} s{backward}{err};")
+        print(" ".join(line))
 
 
 if __name__ == "__main__":

@@ -116,7 +116,9 @@ def selective_scan(request):
     """Both CPU scans: the compiled one (which `selective_scan` dispatches to) and the PyTorch fallback."""
     if request.param == "pytorch":
         return ssm_samba.selective_scan_pytorch
-    assert ssm_samba._cpu_scan_library() is not None, "the compiled CPU scan did not build (is there a C compiler?)"
+    from test_cpu_scan import require_compiled_scan
+
+    require_compiled_scan()
     return ssm_samba.selective_scan_cpu
 
 
