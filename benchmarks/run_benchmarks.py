@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -217,13 +218,13 @@ with torch.inference_mode():
 
 def default_model_speed(repeats: int, tokens: int = 200) -> dict:
     """tokens/s of the embedded default through `samba-hf generate` (greedy, float32, as a user runs it: the figure
-    it prints), and of a same-shape transformers Llama (random weights, its MLP widened to as many parameters)
+    it prints), and of a same-shape transformers Llama (random weights, its MLP 797 wide: as many parameters)
     through `generate`, each in a fresh process, alternated `repeats` times; medians."""
     import re
 
     cli = [sys.executable, "-c", "import sys; from samba_hf_cli import main; sys.exit(main())", "generate",
            "The history of", "--max-new-tokens", str(tokens), "--dtype", "float32"]
-    llama = [sys.executable, "-c", LLAMA_GENERATE.format(mlp=1024, tokens=tokens)]
+    llama = [sys.executable, "-c", LLAMA_GENERATE.format(mlp=797, tokens=tokens)]  # 5,904,128 parameters, as Samba
     rates = {"samba-hf generate (embedded default)": [], "llama, same shape, generate": []}
     for _ in range(repeats):
         out = subprocess.run(cli, capture_output=True, text=True, check=True)
@@ -247,7 +248,7 @@ def main():
     parser.add_argument("--decode", default="1024,2048,4096,16384,32768,65536")
     parser.add_argument("--models", default="samba,llama,mistral,mamba")
     parser.add_argument("--dtypes", default=None, help="comma-separated; default: float32, plus bfloat16 where this "
-                        "CPU computes it natively and faster (always on a GPU)")
+                        "CPU computes it natively and faster (always on a GPU); empty: the embedded default only")
     parser.add_argument("--bf16-prefill-max", type=int, default=None,
                         help="longest prefill timed in bfloat16 (default: all of --prefill)")
     parser.add_argument("--prefill-limits", default="",
@@ -277,9 +278,10 @@ def main():
     names = args.models.split(",")
     prefill_lengths = [int(x) for x in args.prefill.split(",") if x]
     decode_contexts = [int(x) for x in args.decode.split(",") if x]
-    dtypes = args.dtypes.split(",") if args.dtypes else default_dtypes(args.device)
+    # --dtypes "" measures no model (only the embedded default's tokens/s)
+    dtypes = [d for d in args.dtypes.split(",") if d] if args.dtypes is not None else default_dtypes(args.device)
     results = {"machine": {"threads": torch.get_num_threads(), "device": args.device, "torch": torch.__version__},
-               "command": " ".join(["python", "benchmarks/run_benchmarks.py", *sys.argv[1:]]), "runs": {}}
+               "command": shlex.join(["python", "benchmarks/run_benchmarks.py", *sys.argv[1:]]), "runs": {}}
     copy_bandwidth, bandwidth = measure_bandwidth_gbs(args.device)
     results["machine"]["copy_bandwidth_gbs"] = copy_bandwidth
     results["machine"]["read_bandwidth_gbs"] = bandwidth

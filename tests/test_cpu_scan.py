@@ -170,3 +170,46 @@ def test_build_leaves_one_library_in_the_cache_and_reuses_it(tmp_path):
     mtime = (cache / built[0]).stat().st_mtime_ns
     run_snippet(tmp_path)
     assert sorted(p.name for p in cache.iterdir()) == built and (cache / built[0]).stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("kernel_size, length, seq_len", [(4, 10, 10), (4, 13, 10), (4, 2, 2), (4, 4, 1), (4, 3, 1),
+                                                          (3, 7, 1), (2, 9, 4)])
+def test_depthwise_causal_conv_equals_conv1d(kernel_size, length, seq_len, dtype):
+    """The CPU conv (K shifted multiply-adds over a strided window) against nn.Conv1d in float64: prompts (the window
+    is the prompt), continuations (cached inputs first), one-token steps, windows shorter than the kernel."""
+    d = 6
+    conv = torch.nn.Conv1d(d, d, kernel_size, groups=d, padding=kernel_size - 1).to(dtype)
+    window = torch.randn(2, length, d, dtype=dtype).transpose(1, 2)  # (batch, d, length), as the mixer hands it over
+    out = ssm_samba.causal_conv(conv, window, seq_len)
+    reference = torch.nn.functional.conv1d(window.double(), conv.weight.double(), conv.bias.double(),
+                                           padding=kernel_size - 1, groups=d)[..., :length][..., -seq_len:]
+    assert out.dtype == dtype and out.shape == (2, d, seq_len)
+    assert out.transpose(1, 2).is_contiguous()  # no transposing copy needed on the way out
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    assert (out.double() - reference).abs().max().item() <= tolerance
+
+
+def test_depthwise_causal_conv_gradients_match_conv1d():
+    conv = torch.nn.Conv1d(5, 5, 4, groups=5, padding=3).double()
+    x = torch.randn(2, 11, 5, dtype=torch.float64, requires_grad=True)
+    out = ssm_samba.causal_conv(conv, x.transpose(1, 2), 8)
+    grads = torch.autograd.grad(out.square().sum(), [x, conv.weight, conv.bias])
+    ref = conv(x.transpose(1, 2))[..., :11][..., -8:]
+    ref_grads = torch.autograd.grad(ref.square().sum(), [x, conv.weight, conv.bias])
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_wrapped_conv_runs_as_a_module():
+    """An adapter around the conv (anything but a plain nn.Conv1d) is called, so its change takes effect."""
+
+    class Doubled(torch.nn.Conv1d):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    conv = Doubled(4, 4, 4, groups=4, padding=3)
+    plain = torch.nn.Conv1d(4, 4, 4, groups=4, padding=3)
+    plain.load_state_dict(conv.state_dict())
+    window = torch.randn(1, 4, 9)
+    torch.testing.assert_close(ssm_samba.causal_conv(conv, window, 9), 2 * ssm_samba.causal_conv(plain, window, 9))

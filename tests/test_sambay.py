@@ -354,8 +354,9 @@ def test_packed_documents_train_as_if_run_one_by_one(implementation):
     alone = total / sum(len(d) - 1 for d in docs)
     alone.backward()
     assert abs(packed.item() - alone.item()) <= 1e-5
-    for name, param in model.named_parameters():
-        assert (packed_grads[name] - param.grad).abs().max() <= 1e-5, name
+    for name, param in model.named_parameters():  # float32 sums in another order: 1e-5 of each gradient's scale
+        scale = max(1.0, param.grad.abs().max().item())
+        assert (packed_grads[name] - param.grad).abs().max() <= 1e-5 * scale, name
 
 
 def test_save_pretrained_loads_with_and_without_samba_hf(tmp_path):

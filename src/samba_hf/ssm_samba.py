@@ -20,7 +20,8 @@ in float32.
 
 `causal_conv` runs the mixer's depthwise conv over [cached window, new inputs]. On CUDA, with causal-conv1d
 installed and the conv a plain `nn.Conv1d` (not wrapped by an adapter), it uses `causal_conv1d_update` for a
-one-token step and `causal_conv1d_fn` otherwise; everywhere else it calls the module itself, so adapters apply.
+one-token step and `causal_conv1d_fn` otherwise; on CPU a plain `nn.Conv1d` runs as K shifted multiply-adds
+(`depthwise_causal_conv`); an adapter-wrapped conv, or CUDA without the package, calls the module itself.
 
 Part of the remote code of a saved model: imports only torch and transformers.
 """
@@ -571,6 +572,27 @@ def _step_with_kernel(state_update_fn, u, dt, A, B, C, D, z, h0):
     return y[:, None].to(u.dtype), state
 
 
+def depthwise_causal_conv(weight: torch.Tensor, bias: torch.Tensor | None, window: torch.Tensor, seq_len: int):
+    """What `nn.Conv1d(d, d, K, groups=d, padding=K-1)` gives at the last `seq_len` positions of `window`, as K
+    shifted multiply-adds: out[t] = bias + sum_k weight[:, k] * x[t - (K - 1 - k)], zero before the window starts.
+    weight (d_inner, K); window (batch, d_inner, T) with any strides. The elementwise ops keep the window's memory
+    layout, so a window that is a transposed (batch, seq, d_inner) tensor gives an output whose transpose back is
+    contiguous: no transposing copy on the way in or out (on CPU each one cost more than the conv itself)."""
+    kernel_size, length = weight.shape[-1], window.shape[-1]
+    start = length - seq_len  # the first new position in the window
+    # the tap on the current input; half precision accumulates in float32 (as a conv kernel does)
+    last_tap = weight[:, kernel_size - 1, None]
+    out = window[..., start:] * (last_tap.float() if last_tap.dtype in (torch.float16, torch.bfloat16) else last_tap)
+    for k in range(kernel_size - 1):
+        shift = kernel_size - 1 - k  # tap k reads the input `shift` positions back
+        first = max(0, shift - start)  # outputs before `first` read zeros there
+        if first < seq_len:
+            out[..., first:].addcmul_(window[..., start + first - shift : length - shift], weight[:, k, None])
+    if bias is not None:
+        out = out + bias[:, None]
+    return out.to(window.dtype)
+
+
 def causal_conv(conv1d: nn.Conv1d, window: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The depthwise causal conv's outputs at the last `seq_len` positions of `window` (batch, d_inner, T), which
     holds the cached left context (if any) followed by the new inputs. Returns (batch, d_inner, seq_len)."""
@@ -583,10 +605,6 @@ def causal_conv(conv1d: nn.Conv1d, window: torch.Tensor, seq_len: int) -> torch.
         if conv_fn is not None:
             return conv_fn(window.contiguous(), weight, conv1d.bias, activation=None)[..., -seq_len:]
         logger.warning_once("samba-hf: causal-conv1d is not installed; the Mamba conv runs as a PyTorch Conv1d")
-    kernel_size = conv1d.kernel_size[0]
-    if seq_len == 1 and type(conv1d) is nn.Conv1d and window.shape[-1] >= kernel_size:
-        # a decode step: one dot product of each channel's last kernel_size inputs with its taps (a Conv1d call
-        # costs ~8x more here, for 4 taps)
-        out = (window[..., -kernel_size:] * conv1d.weight[:, 0, :]).sum(-1, keepdim=True)
-        return out if conv1d.bias is None else out + conv1d.bias[:, None]
+    if not _kernel_device(window) and type(conv1d) is nn.Conv1d:
+        return depthwise_causal_conv(conv1d.weight[:, 0, :], conv1d.bias, window, seq_len)
     return conv1d(window)[..., : window.shape[-1]][..., -seq_len:]
