@@ -258,7 +258,7 @@ static void backward_block(Task *a, int b, int d0, float *At, float *work) {
     const int segments = (T + SEGMENT - 1) / SEGMENT;
     const size_t width = (size_t)N * CH;
     float *gh = work, *gA = work + width;
-    /* one segment at a time: its first state (a checkpoint), then each step's state and decays, as the forward had them */
+    /* one segment at a time: its first state (a checkpoint), then each step's state and decays, as in the forward */
     float *start = malloc(sizeof(float) * width * (1 + 2 * SEGMENT));
     if (!start) { a->failed = 1; return; }
     float *states = start + width, *decays = states + width * SEGMENT;
@@ -422,7 +422,8 @@ def _cpu_scan_library():
             return None
         sizes = [ctypes.c_int] * 5  # threads, batch, seq_len, d_inner, d_state
         library.samba_scan_forward.argtypes = sizes + [ctypes.c_void_p] * 10  # u dt A B C D z h y checkpoints
-        library.samba_scan_backward.argtypes = sizes + [ctypes.c_void_p] * 18  # u..z, checkpoints, grad_y, grad_h, 8 grads
+        # u..z, checkpoints, grad_y, grad_h, then the 8 gradients
+        library.samba_scan_backward.argtypes = sizes + [ctypes.c_void_p] * 18
         library.samba_scan_forward.restype = library.samba_scan_backward.restype = ctypes.c_int
         _CPU_SCAN = library
     return _CPU_SCAN or None
