@@ -278,6 +278,15 @@ def main():
     names = args.models.split(",")
     prefill_lengths = [int(x) for x in args.prefill.split(",") if x]
     decode_contexts = [int(x) for x in args.decode.split(",") if x]
+    try:
+        limits = {k: int(v) for k, v in (item.split("=") for item in args.prefill_limits.split(",") if item)}
+    except ValueError:
+        parser.error(f"--prefill-limits {args.prefill_limits!r}: give MODEL=TOKENS pairs, e.g. mistral=8192,mamba=8192")
+    if unknown := [n for n in names + list(limits) if n not in ("samba", "llama", "mistral", "mamba")]:
+        parser.error(f"unknown model {unknown[0]!r}: the models are samba, llama, mistral and mamba")
+    known_dtypes = ("", "float32", "bfloat16", "float16")
+    if args.dtypes is not None and (unknown := [d for d in args.dtypes.split(",") if d not in known_dtypes]):
+        parser.error(f"--dtypes: {', '.join(unknown)} is not float32, bfloat16 or float16")
     # --dtypes "" measures no model (only the embedded default's tokens/s)
     dtypes = [d for d in args.dtypes.split(",") if d] if args.dtypes is not None else default_dtypes(args.device)
     results = {"machine": {"threads": torch.get_num_threads(), "device": args.device, "torch": torch.__version__},
@@ -302,7 +311,6 @@ def main():
         lengths = prefill_lengths
         if dtype == torch.bfloat16 and args.bf16_prefill_max is not None:
             lengths = [n for n in lengths if n <= args.bf16_prefill_max]
-        limits = {k: int(v) for k, v in (item.split("=") for item in args.prefill_limits.split(",") if item)}
         for name, times in time_prefill_interleaved(models, lengths, args.device, args.repeats, limits).items():
             run[name]["prefill_s"] = times
         for name, rates in time_decode_interleaved(models, decode_contexts, args.device, args.steps).items():

@@ -1,5 +1,5 @@
 """The compiled CPU scan (`ssm_samba.selective_scan_cpu`): its backward against float64 autograd of the recurrence
-written out step by step, its thread split, padding, the whole model against the PyTorch scan, and the fallback
+written out step by step (`test_reference_models.float64_recurrence`), its thread split, padding, the whole model against the PyTorch scan, and the fallback
 where no compiler is found. The forward against float64 is in test_reference_models.py (both scans)."""
 
 import os
@@ -13,6 +13,7 @@ import torch
 from samba_hf import ssm_samba
 
 from conftest import tiny_model
+from test_reference_models import float64_recurrence
 
 
 def require_compiled_scan():
@@ -26,18 +27,6 @@ def require_compiled_scan():
 def compiled(request):
     if "tmp_path" not in request.fixturenames:  # the subprocess tests check the build and the fallback themselves
         require_compiled_scan()
-
-
-def float64_recurrence(u, dt, A, B, C, D, z, h):
-    """h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t; y_t = (<h_t, C_t> + D u_t) silu(z_t), step by step, float64."""
-    ys = []
-    for t in range(u.shape[1]):
-        h = torch.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * u[:, t])[..., None] * B[:, t, None, :]
-        y = (h * C[:, t, None, :]).sum(-1)
-        if D is not None:
-            y = y + D * u[:, t]
-        ys.append(y if z is None else y * z[:, t] * torch.sigmoid(z[:, t]))
-    return torch.stack(ys, dim=1), h
 
 
 def inputs(batch=2, seq_len=150, d_inner=37, d_state=5, seed=0):
@@ -65,13 +54,13 @@ def test_gradients_match_float64_autograd(optional, seq_len):
     ours = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
     ref = {k: v.double().requires_grad_() for k, v in x.items() if v is not None}
     y, h = ssm_samba.selective_scan_cpu(**ours)
-    ref_inputs = {**ref, "h": ref.pop("h0", torch.zeros(2, 37, 5, dtype=torch.float64))}
-    y_ref, h_ref = float64_recurrence(**{k: ref_inputs.get(k) for k in ("u", "dt", "A", "B", "C", "D", "z", "h")})
+    ref_inputs = {**ref, "h0": ref.pop("h0", torch.zeros(2, 37, 5, dtype=torch.float64))}
+    y_ref, h_ref = float64_recurrence(**{k: ref_inputs.get(k) for k in ("u", "dt", "A", "B", "C", "D", "z", "h0")})
     g = torch.Generator().manual_seed(1)
     grad_y, grad_h = torch.randn(y.shape, generator=g), torch.randn(h.shape, generator=g)
     ((y * grad_y).sum() + (h * grad_h).sum()).backward()
     ((y_ref * grad_y.double()).sum() + (h_ref * grad_h.double()).sum()).backward()
-    ref_grads = {**{k: v.grad for k, v in ref.items()}, "h0": ref_inputs["h"].grad}
+    ref_grads = {**{k: v.grad for k, v in ref.items()}, "h0": ref_inputs["h0"].grad}
     for name, tensor in ours.items():
         expected = ref_grads[name]
         scale = expected.abs().max().item()
@@ -213,3 +202,10 @@ def test_wrapped_conv_runs_as_a_module():
     plain.load_state_dict(conv.state_dict())
     window = torch.randn(1, 4, 9)
     torch.testing.assert_close(ssm_samba.causal_conv(conv, window, 9), 2 * ssm_samba.causal_conv(plain, window, 9))
+
+
+def test_unknown_scan_choice_is_named_and_the_compiled_scan_runs(tmp_path):
+    require_compiled_scan()
+    result, _ = run_snippet(tmp_path, SAMBA_HF_SCAN="pyorch")
+    assert "library True" in result.stdout
+    assert "SAMBA_HF_SCAN='pyorch' is not 'compiled' or 'pytorch'" in result.stderr

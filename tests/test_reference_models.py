@@ -101,13 +101,16 @@ def test_rope_scaling_reaches_the_attention():
 
 
 def float64_recurrence(u, dt, A, B, C, D, z, h0):
-    """The Mamba recurrence written out step by step in float64."""
-    u, dt, A, B, C, D, z, h = (t.double() for t in (u, dt, A, B, C, D, z, h0))
+    """The Mamba recurrence written out step by step in float64: h_t = exp(dt_t A) h_{t-1} + dt_t u_t B_t,
+    y_t = (<h_t, C_t> + D u_t) silu(z_t); D and z may be None. Differentiable (float64 inputs pass through)."""
+    u, dt, A, B, C, h = (t.double() for t in (u, dt, A, B, C, h0))
     ys = []
     for t in range(u.shape[1]):
         h = torch.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * u[:, t])[..., None] * B[:, t, None, :]
-        y = (h * C[:, t, None, :]).sum(-1) + D * u[:, t]
-        ys.append(y * z[:, t] * torch.sigmoid(z[:, t]))
+        y = (h * C[:, t, None, :]).sum(-1)
+        if D is not None:
+            y = y + D.double() * u[:, t]
+        ys.append(y if z is None else y * z[:, t].double() * torch.sigmoid(z[:, t].double()))
     return torch.stack(ys, dim=1), h
 
 

@@ -413,8 +413,12 @@ def _cpu_scan_library():
     global _CPU_SCAN
     if _CPU_SCAN is None:
         _CPU_SCAN = False
-        if os.environ.get("SAMBA_HF_SCAN", "").lower() == "pytorch":
+        choice = os.environ.get("SAMBA_HF_SCAN", "").lower()
+        if choice == "pytorch":
             return None
+        if choice not in ("", "compiled"):
+            logger.warning_once(f"samba-hf: SAMBA_HF_SCAN={choice!r} is not 'compiled' or 'pytorch'; using the "
+                                "compiled scan")
         try:
             library = ctypes.CDLL(_build_cpu_scan())
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
