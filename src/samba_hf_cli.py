@@ -4,10 +4,10 @@
                                [--temperature T] [--top-k K] [--top-p P] [--seed S]
                                [--dtype auto|float32|bfloat16|float16] [--device auto|cpu|cuda|cuda:N|mps]
                                [--prefill-chunk-size N] [--chat [--system TEXT]]
-    samba-hf convert {lit-gpt,fla,mamba,mistral,llama} SRC OUT [--config NAME_OR_JSON] [--force-config]
+    samba-hf convert {lit-gpt,fla,mamba,mistral,llama,megatron} SRC OUT [--config NAME_OR_JSON] [--force-config]
                      [--tokenizer PATH] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
                      [--verify | --no-verify] [--push-to-hub REPO] [--force]
-    samba-hf export lit-gpt SRC OUT [--force]
+    samba-hf export {lit-gpt,megatron} SRC OUT [--force]
     samba-hf eval passkey [--lengths N,N,..] [--depths D,D,..] [--trials N] [COMMON]
     samba-hf eval phonebook [--lengths N,N,..] [--trials N] [COMMON]
     samba-hf eval perplexity [--text FILE] [--max-tokens N] [--bucket N] [COMMON]
@@ -140,10 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(command_name="generate", check=check_generate_arguments)
 
     conv = commands.add_parser("convert", help="turn a checkpoint of another implementation into a samba-hf folder")
-    conv.add_argument("source", choices=["lit-gpt", "fla", "mamba", "mistral", "llama"],
-                      help="lit-gpt: the official microsoft/Samba code; fla: flash-linear-attention; mamba/mistral/"
+    conv.add_argument("source", choices=["lit-gpt", "fla", "mamba", "mistral", "llama", "megatron"],
+                      help="lit-gpt: the official microsoft/Samba code; megatron: NVIDIA's Megatron-LM Mamba-2(-Hybrid) "
+                           "checkpoints; fla: flash-linear-attention; mamba/mistral/"
                            "llama: transformers' folders")
-    conv.add_argument("src", help="the checkpoint: a .pth file (lit-gpt) or a model folder")
+    conv.add_argument("src", help="the checkpoint: a .pth file (lit-gpt), a Megatron folder as downloaded or its .pt, "
+                                  "or a model folder")
     conv.add_argument("out", help="the folder to write (must not exist or be empty, unless --force)")
     conv.add_argument("--config", default=None,
                       help="lit-gpt: an official config name (default: the model_name a training checkpoint records) "
@@ -151,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--force-config", action="store_true",
                       help="lit-gpt: use --config even where it contradicts the model_name the checkpoint records")
     conv.add_argument("--tokenizer", default=None,
-                      help="a SentencePiece tokenizer.model or a tokenizer folder (default: the source folder's)")
+                      help="a SentencePiece .model or a tokenizer folder (default: the source folder's)")
     conv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                       help="dtype of the written weights (default: the source's); Mamba A_log and D stay float32")
     conv.add_argument("--max-shard-size", default="5GB")
@@ -163,9 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(command_name="convert", check=None)
 
     exp = commands.add_parser("export", help="write a samba-hf folder back in another implementation's format")
-    exp.add_argument("target", choices=["lit-gpt"], help="lit-gpt: the official microsoft/Samba state dict")
+    exp.add_argument("target", choices=["lit-gpt", "megatron"],
+                     help="lit-gpt: the official microsoft/Samba state dict; megatron: Megatron-LM's model_optim_rng.pt "
+                          "in the released Mamba layout (bfloat16)")
     exp.add_argument("src", help="a samba-hf model folder")
-    exp.add_argument("out", help="the .pth file to write ({'model': state_dict}, as the official eval.py loads)")
+    exp.add_argument("out", help="the file to write: lit-gpt, a .pth ({'model': state_dict}, as the official eval.py "
+                                 "loads); megatron, e.g. DIR/release/mp_rank_00/model_optim_rng.pt")
     exp.add_argument("--force", action="store_true", help="replace OUT when it is an earlier export")
     exp.set_defaults(command_name="export", check=None)
 

@@ -18,7 +18,8 @@ from conftest import tiny_config, tiny_model
 TYPED_FIELDS = {
     **dict.fromkeys(
         ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-         "max_position_embeddings", "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size"],
+         "max_position_embeddings", "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size",
+         "mamba_version", "mamba2_head_dim", "mamba2_n_groups", "mamba2_chunk_size"],
         "an int",
     ),
     **dict.fromkeys(["num_key_value_heads", "head_dim", "sliding_window", "pad_token_id", "bos_token_id"], "an int or None"),
@@ -30,7 +31,8 @@ TYPED_FIELDS = {
         "a finite number",
     ),
     **dict.fromkeys(
-        ["use_cache", "tie_word_embeddings", "use_rope", "attention_bias", "mamba_conv_bias", "mamba_proj_bias"],
+        ["use_cache", "tie_word_embeddings", "use_rope", "attention_bias", "mamba_conv_bias", "mamba_proj_bias",
+         "mlp_gated"],
         "true or false",
     ),
 }

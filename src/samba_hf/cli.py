@@ -285,14 +285,20 @@ def convert(args) -> int:
 
 
 def export(args) -> int:
-    from .conversion import ConversionError, export_lit_gpt
+    from .conversion import ConversionError, export_lit_gpt, export_megatron
 
     try:
-        result = export_lit_gpt(args.src, args.out, force=args.force)
+        run = export_megatron if args.target == "megatron" else export_lit_gpt
+        result = run(args.src, args.out, force=args.force)
     except ConversionError as error:
         raise UserError(str(error))
     for line in result["cleaned"]:
         print(f"samba-hf: {line}", file=sys.stderr)
+    if args.target == "megatron":
+        tracker = f"; wrote {result['tracker']}" if result["tracker"] else ""
+        print(f"samba-hf: wrote {result['out']} (Megatron-LM's released Mamba layout, bfloat16{tracker})",
+              file=sys.stderr)
+        return 0
     name = result["official_name"]
     hint = f"--model_name {name}" if name else "a lit_gpt Config with the sizes in the source config.json"
     print(f"samba-hf: wrote {result['out']} (official layout; load it in microsoft/Samba with {hint})", file=sys.stderr)

@@ -5,11 +5,19 @@ residual. The mixer of layer i is chosen by ``layer_types[i]``:
 
 - ``"linear_attention"``: a Mamba (selective state space) mixer,
 - ``"sliding_attention"``: attention over the last ``sliding_window`` positions (query included), with RoPE,
-- ``"full_attention"``: causal attention over every position, with RoPE.
+- ``"full_attention"``: causal attention over every position, with RoPE (or none: ``use_rope=False``),
+- ``"mlp"``: no mixer; the layer is an MLP alone.
 
 The default, Mamba on even and sliding attention on odd layers, is Samba. With other ``layer_types`` (and
 ``intermediate_size=0`` for "no MLP") the same class describes the paper's baselines: Mamba, Mamba-MLP,
 Llama-2-SWA / Mistral, Llama and the full-attention hybrids.
+
+``mamba_version=2`` makes every Mamba layer a Mamba-2 (SSD) mixer (Dao & Gu, 2024): a Samba whose Mamba layers are
+Mamba-2, or, with ``"mlp"`` layers, NVIDIA's Mamba-2-Hybrid (Waleffe et al., 2024), whose blocks each hold one
+sub-layer. A layout with ``"mlp"`` layers is laid out that way, as Megatron-LM's blocks: its mixer layers carry no
+MLP. Without ``"mlp"`` layers every layer is a mixer followed by an MLP (unless ``intermediate_size=0``).
+Megatron's pattern string is accepted as an input: ``hybrid_override_pattern="M-M*-"`` ("M" Mamba, "*" attention,
+"-" MLP) sets ``layer_types``; ``config.hybrid_pattern`` writes any layout back in those letters.
 
 This file is also the remote code of a saved model: it imports only torch/transformers.
 """
@@ -20,12 +28,17 @@ from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
-LAYER_TYPES = ("linear_attention", "sliding_attention", "full_attention")
+LAYER_TYPES = ("linear_attention", "sliding_attention", "full_attention", "mlp")
+MIXER_TYPES = LAYER_TYPES[:3]
+
+# Megatron-LM's hybrid pattern letters (`hybrid_override_pattern`); "S" (sliding attention) is samba-hf's own.
+PATTERN_LETTERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "S": "sliding_attention"}
 
 # The type each scalar field must have (checked first, so a string from a hand-edited config.json or a float where a
 # size is needed fails with the field's name instead of a TypeError further on). A bool is no int; an int is a float.
 INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size")
+              "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size", "mamba_version",
+              "mamba2_head_dim", "mamba2_n_groups", "mamba2_chunk_size")
 OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "sliding_window", "pad_token_id", "bos_token_id",
                        "max_position_embeddings")
 
@@ -34,7 +47,8 @@ OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "sliding_window", "pad
 UNLIMITED_POSITIONS = 2**20
 FLOAT_FIELDS = ("initializer_range", "rms_norm_eps", "attention_dropout", "mamba_dt_min", "mamba_dt_max",
                 "mamba_dt_init_floor", "mamba_dt_scale")
-BOOL_FIELDS = ("use_cache", "tie_word_embeddings", "use_rope", "attention_bias", "mamba_conv_bias", "mamba_proj_bias")
+BOOL_FIELDS = ("use_cache", "tie_word_embeddings", "use_rope", "attention_bias", "mamba_conv_bias", "mamba_proj_bias",
+               "mlp_gated")
 
 
 def is_int(value) -> bool:
@@ -47,6 +61,16 @@ def is_finite_number(value) -> bool:
 
 def fail(message: str):
     raise ValueError(f"SambaConfig: {message}")
+
+# What NVIDIA's two 8B Mamba-2 models share (their Megatron `args`: hidden 4096, 32 heads in 8 query groups of kv_channels
+# 128, ffn 16384, RMSNorm eps 1e-5, position_embedding_type "none", untied output layer, padded vocabulary 256000).
+MEGATRON_8B = dict(
+    vocab_size=256000, hidden_size=4096, intermediate_size=16384, num_hidden_layers=56, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, use_rope=False, sliding_window=None, tie_word_embeddings=False,
+    max_position_embeddings=4096, mamba_version=2, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2,
+    mamba2_head_dim=64, mamba2_n_groups=8, mamba2_chunk_size=128, mlp_gated=False, mlp_hidden_act="gelu",
+    bos_token_id=None, eos_token_id=None,
+)
 
 # Exact shapes of the official checkpoints (microsoft/Samba lit_gpt/config.py: Samba_421M, Samba_1.3B) and of the
 # larger models of the paper (Table 12, which counts a mixer and an MLP as two "layers": 1.7B = 24 of our layers).
@@ -67,6 +91,13 @@ PRESETS = {
         vocab_size=32064, hidden_size=2816, intermediate_size=9984, num_hidden_layers=32,
         num_attention_heads=11, num_key_value_heads=1, head_dim=256,
     ),
+    # NVIDIA's releases with "An Empirical Study of Mamba-based Language Models" (Waleffe et al., 2024), as
+    # Megatron-LM builds them (examples/mamba; Mamba geometry: Megatron's 2024 defaults, see `samba-hf convert megatron`):
+    # 56 blocks of one sub-layer each, Mamba-2 mixers, attention without position embedding, exact-GELU MLPs.
+    "mamba2-hybrid-8b": dict(
+        MEGATRON_8B, hybrid_override_pattern="M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-",
+    ),
+    "mamba2-8b": dict(MEGATRON_8B, hybrid_override_pattern="M" * 56, intermediate_size=0),
     # A few hundred thousand parameters: for tests and demos, not for quality.
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -88,6 +119,10 @@ class SambaConfig(PreTrainedConfig):
         num_key_value_heads (`int`, defaults to 12): key/value heads (GQA when fewer than the query heads).
         head_dim (`int`, *optional*, defaults to 128): size of one head; `None` means `hidden_size // num_attention_heads`.
         hidden_act (`str`, defaults to `"silu"`): activation of the MLP gate and of the Mamba mixer.
+        mlp_hidden_act (`str`, *optional*): activation of the MLP when it differs from `hidden_act` (the Mamba-2-Hybrid's
+            is `"gelu"`, the exact erf GELU).
+        mlp_gated (`bool`, defaults to `True`): SwiGLU-style `down(act(gate(x)) * up(x))`; `False` is the plain
+            `down(act(up(x)))` of Megatron's MLP.
         max_position_embeddings (`int`, *optional*): the longest input the model takes. `None` (the default) means
             2**20 (`UNLIMITED_POSITIONS`) for layouts without full-attention layers, which no length limits (sliding
             windows and Mamba states extrapolate; the value only tells generate and evaluation tools not to cut
@@ -106,8 +141,17 @@ class SambaConfig(PreTrainedConfig):
         attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities while training.
         attention_bias (`bool`, defaults to `False`): bias on q/k/v/o projections.
         layer_types (`list[str]`, *optional*): one of `"linear_attention"` (Mamba), `"sliding_attention"`,
-            `"full_attention"` per layer. Default: Mamba on even layers, sliding attention on odd layers.
-        mamba_d_state (`int`, defaults to 16): SSM state size N.
+            `"full_attention"`, `"mlp"` (an MLP alone) per layer. Default: Mamba on even layers, sliding attention on
+            odd layers. With `"mlp"` layers, mixer layers carry no MLP (Megatron's one-sub-layer blocks).
+        hybrid_override_pattern (`str`, *optional*, input only): Megatron-LM's pattern, one letter per layer: "M" Mamba,
+            "*" full attention, "-" MLP ("S", sliding attention, is samba-hf's); sets `layer_types` and
+            `num_hidden_layers`. Not stored: `config.hybrid_pattern` gives it back.
+        mamba_version (`int`, defaults to 1): 1 for Mamba (selective scan, per-channel A), 2 for Mamba-2 (SSD: one A
+            per head, B and C shared by the heads of a group, a gated group RMSNorm before `out_proj`).
+        mamba_d_state (`int`, defaults to 16): SSM state size N (per channel for Mamba, per head row for Mamba-2).
+        mamba2_head_dim (`int`, defaults to 64): Mamba-2 head size P; heads = `mamba_d_inner // mamba2_head_dim`.
+        mamba2_n_groups (`int`, defaults to 1): Mamba-2 groups of heads sharing B and C (and one RMSNorm group each).
+        mamba2_chunk_size (`int`, defaults to 128): Mamba-2 SSD chunk length (changes rounding only).
         mamba_d_conv (`int`, defaults to 4): width of the depthwise causal convolution.
         mamba_expand (`int`, defaults to 2): inner width = `mamba_expand * hidden_size`.
         mamba_dt_rank (`int` or `"auto"`, defaults to `"auto"`): rank of the step-size projection;
@@ -155,6 +199,8 @@ class SambaConfig(PreTrainedConfig):
     num_key_value_heads: int | None = 12
     head_dim: int | None = 128
     hidden_act: str = "silu"
+    mlp_hidden_act: str | None = None
+    mlp_gated: bool = True
     max_position_embeddings: int | None = None
     initializer_range: float = 0.02
     rms_norm_eps: float = 1e-5
@@ -179,9 +225,16 @@ class SambaConfig(PreTrainedConfig):
     mamba_dt_max: float = 0.1
     mamba_dt_init_floor: float = 0.0001
     mamba_dt_scale: float = 1.0
+    mamba_version: int = 1
+    mamba2_head_dim: int = 64
+    mamba2_n_groups: int = 1
+    mamba2_chunk_size: int = 128
     inference_chunk_size: int = 4096
 
     def __post_init__(self, **kwargs):
+        pattern = kwargs.pop("hybrid_override_pattern", None)
+        if pattern is not None:
+            self._apply_pattern(pattern)
         self._check_field_types()
         if self.head_dim is None:
             if self.num_attention_heads < 1 or self.hidden_size % self.num_attention_heads:
@@ -208,6 +261,31 @@ class SambaConfig(PreTrainedConfig):
     def mamba_d_inner(self) -> int:
         return self.mamba_expand * self.hidden_size
 
+    @property
+    def mamba2_num_heads(self) -> int:
+        return self.mamba_d_inner // self.mamba2_head_dim
+
+    @property
+    def mixer_mlp(self) -> bool:
+        """Whether a mixer layer is followed by an MLP: yes (Samba) unless the layout has MLP layers of its own
+        (Megatron's blocks) or no MLP at all (`intermediate_size == 0`)."""
+        return self.intermediate_size > 0 and "mlp" not in self.layer_types
+
+    @property
+    def hybrid_pattern(self) -> str:
+        """`layer_types` in Megatron's letters ("M" Mamba, "*" full attention, "-" MLP; "S" sliding attention)."""
+        letters = {kind: letter for letter, kind in PATTERN_LETTERS.items()}
+        return "".join(letters[kind] for kind in self.layer_types)
+
+    def _apply_pattern(self, pattern):
+        if not isinstance(pattern, str) or not pattern or set(pattern) - set(PATTERN_LETTERS):
+            fail(f"`hybrid_override_pattern` must be a non-empty string of the letters {''.join(PATTERN_LETTERS)} "
+                 f"(\"M\" Mamba, \"*\" attention, \"-\" MLP, \"S\" sliding attention), got {pattern!r}.")
+        layer_types = [PATTERN_LETTERS[letter] for letter in pattern]
+        if self.layer_types is not None and list(self.layer_types) != layer_types:
+            fail(f"`hybrid_override_pattern` {pattern!r} and `layer_types` {self.layer_types} disagree; give one.")
+        self.layer_types, self.num_hidden_layers = layer_types, len(layer_types)
+
     def _check_field_types(self):
         """Raise a ValueError that names the field for a value of the wrong type, before anything compares,
         divides or looks it up."""
@@ -230,9 +308,11 @@ class SambaConfig(PreTrainedConfig):
         if not (is_int(self.mamba_dt_rank) or self.mamba_dt_rank == "auto"):
             fail(f"`mamba_dt_rank` must be a positive int or \"auto\" (ceil(hidden_size / 16)), got "
                  f"{self.mamba_dt_rank!r}.")
-        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
-            fail(f"`hidden_act` must name an activation of transformers' ACT2FN, such as \"silu\" (Samba's), got "
-                 f"{self.hidden_act!r}; known: {sorted(ACT2FN)}.")
+        for name in ("hidden_act", "mlp_hidden_act"):
+            value = getattr(self, name)
+            if not (value is None and name == "mlp_hidden_act") and (not isinstance(value, str) or value not in ACT2FN):
+                fail(f"`{name}` must name an activation of transformers' ACT2FN, such as \"silu\" (Samba's) or "
+                     f"\"gelu\", got {value!r}; known: {sorted(ACT2FN)}.")
         if self.rope_parameters is not None and not isinstance(self.rope_parameters, dict):
             fail(f"`rope_parameters` must be a dict such as {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}} "
                  f"or None, got {self.rope_parameters!r}.")
@@ -244,7 +324,8 @@ class SambaConfig(PreTrainedConfig):
     def _check_samba_fields(self):
         """Raise a ValueError that names the field and the fix for every combination the model cannot build."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "mamba_d_state",
-                     "mamba_d_conv", "mamba_expand", "mamba_dt_rank"):
+                     "mamba_d_conv", "mamba_expand", "mamba_dt_rank", "mamba2_head_dim", "mamba2_n_groups",
+                     "mamba2_chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 fail(f"`{name}` must be a positive integer, got {value!r}.")
@@ -262,7 +343,14 @@ class SambaConfig(PreTrainedConfig):
         unknown = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
         if unknown:
             fail(f"`layer_types` contains {unknown}; each entry must be one of {list(LAYER_TYPES)}.")
-        if any(t != "linear_attention" for t in self.layer_types):
+        if "mlp" in self.layer_types and self.intermediate_size == 0:
+            fail("`layer_types` has \"mlp\" layers but `intermediate_size` is 0: give the MLP a width, or remove "
+                 "those layers.")
+        if self.mamba_version not in (1, 2):
+            fail(f"`mamba_version` must be 1 (Mamba) or 2 (Mamba-2), got {self.mamba_version!r}.")
+        if self.mamba_version == 2 and "linear_attention" in self.layer_types:
+            self._check_mamba2_fields()
+        if any(t in ("sliding_attention", "full_attention") for t in self.layer_types):
             if self.num_attention_heads < 1:
                 fail(f"`num_attention_heads` must be >= 1 for attention layers, got {self.num_attention_heads}.")
             if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads != 0:
@@ -291,6 +379,24 @@ class SambaConfig(PreTrainedConfig):
         if self.initializer_range < 0:
             fail(f"`initializer_range` is a standard deviation: it must be >= 0 (default 0.02), got "
                  f"{self.initializer_range}.")
+
+    def validate(self):
+        """transformers' checks (run on save), which know no "mlp" layer (NemotronH allows it with a validator of
+        its own): with such layers, all but the layer-type one, which `_check_samba_fields` has already made."""
+        if "mlp" not in self.layer_types:
+            return super().validate()
+        for validator in getattr(PreTrainedConfig, "__class_validators__", ()):
+            if validator.__name__ != "validate_layer_type":
+                validator(self)
+
+    def _check_mamba2_fields(self):
+        inner, head_dim, groups = self.mamba_d_inner, self.mamba2_head_dim, self.mamba2_n_groups
+        if inner % head_dim:
+            fail(f"Mamba-2: the inner width `mamba_expand * hidden_size` ({inner}) must be a multiple of "
+                 f"`mamba2_head_dim` ({head_dim}); pick a head size that divides it.")
+        if self.mamba2_num_heads % groups:
+            fail(f"Mamba-2: the {self.mamba2_num_heads} heads (`mamba_d_inner // mamba2_head_dim`) must split evenly "
+                 f"into `mamba2_n_groups` ({groups}) groups; pick a divisor.")
 
     def _check_rope_parameters(self):
         rope_type = self.rope_parameters.get("rope_type")

@@ -134,6 +134,12 @@ class SambaYConfig(PreTrainedConfig):
     def mamba_d_inner(self) -> int:
         return self.mamba_expand * self.hidden_size
 
+    # What Samba's layers read (SambaMLP, `_init_weights`): SambaY's MLPs are SwiGLU, one after every mixer.
+    mixer_mlp = property(lambda self: True)
+    mlp_gated = property(lambda self: True)
+    mlp_hidden_act = property(lambda self: None)
+    mamba_version = property(lambda self: 1)
+
     @property
     def block_types(self) -> list[str]:
         """What each layer computes (see the module docstring)."""

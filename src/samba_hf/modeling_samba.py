@@ -5,8 +5,9 @@ Ren et al., "Samba: Simple Hybrid State Space Models for Efficient Unlimited Con
 One forward, as data sees it:
     input_ids -> embed_tokens -> for each layer: x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x))
               -> norm -> lm_head (last `logits_to_keep` positions only)
-where the mixer is a `SambaMambaMixer` ("linear_attention" layers) or a `SambaAttention` ("sliding_attention" /
-"full_attention" layers). Decoding state lives in transformers' own hybrid `DynamicCache(config=...)`: one conv
+where the mixer is a `SambaMambaMixer` ("linear_attention" layers; a `SambaMamba2Mixer` with `mamba_version=2`) or a
+`SambaAttention` ("sliding_attention" / "full_attention" layers). Layouts with "mlp" layers (NVIDIA's
+Mamba-2-Hybrid, Megatron's one-sub-layer blocks) run x += mixer(input_layernorm(x)) or x += mlp(input_layernorm(x)). Decoding state lives in transformers' own hybrid `DynamicCache(config=...)`: one conv
 window and one SSM state per Mamba layer, at most `sliding_window - 1` key/value positions per sliding layer.
 
 This file is also the remote code of a saved model: it imports only torch, transformers and its siblings.
@@ -44,11 +45,13 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_samba import SambaConfig
-from .ssm_samba import causal_conv, selective_scan
+from .ssm_samba import causal_conv, selective_scan, ssd_scan
 
 logger = logging.get_logger(__name__)
 
-# The builder of each kind of layer's mask, keyed by layer type (see `SambaModel.forward`).
+ATTENTION_TYPES = ("sliding_attention", "full_attention")
+
+# The builder of each kind of layer's mask, keyed by layer type (see `SambaModel.forward`); "mlp" layers need none.
 MASK_BUILDERS = {
     "linear_attention": create_recurrent_attention_mask,  # 2D padding mask (or None) for the Mamba mixer
     "sliding_attention": create_sliding_window_causal_mask,
@@ -70,7 +73,8 @@ def cache_layer_kind(layer) -> str:
 
 def cache_layer_shape(layer) -> tuple[int, tuple] | None:
     """(batch, widths) of what a cache layer holds, None while it holds nothing: widths are (d_inner, d_state,
-    conv kernel) for a Mamba layer, (kv heads, head_dim) for an attention layer. Reads shapes only."""
+    conv kernel) for a Mamba layer, (heads, head_dim, d_state, conv kernel) for a Mamba-2 layer, (kv heads,
+    head_dim) for an attention layer. Reads shapes only."""
     if isinstance(layer, LinearAttentionCacheLayerMixin):
         ssm = layer.recurrent_states.get(0)
         return None if ssm is None else (ssm.shape[0], (*ssm.shape[1:], layer.conv_kernel_size.get(0)))
@@ -403,37 +407,144 @@ class SambaMambaMixer(nn.Module):
         return self.out_proj(y)
 
 
+class SambaGatedRMSNorm(nn.Module):
+    """Mamba-2's output norm: RMSNorm of y * silu(z) over groups of `group_size` channels (one per group of heads),
+    times a weight; in float32, returned in y's dtype."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.float() * nn.functional.silu(gate.float())
+        grouped = hidden_states.view(*hidden_states.shape[:-1], -1, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * grouped.view(hidden_states.shape)).to(input_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, group_size={self.group_size}, eps={self.variance_epsilon}"
+
+
+class SambaMamba2Mixer(nn.Module):
+    """The Mamba-2 (SSD) mixer, as in mamba-ssm's `Mamba2` and Megatron-LM's `MambaMixer` (Dao & Gu, 2024).
+
+    in_proj -> (z, xBC, dt); xBC: causal depthwise conv with bias (continuing from the cached window) -> SiLU ->
+    (x, B, C); dt + dt_bias, softplus; SSD over heads of `mamba2_head_dim` channels, one A per head, B and C shared by
+    the heads of a group (float32, from the cached state, no clamp on dt); + D x; gated group RMSNorm with z; out_proj.
+    Every projection is called as a module, so adapters (LoRA) wrapping them take effect.
+    """
+
+    def __init__(self, config: SambaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.intermediate_size = config.mamba_d_inner
+        self.ssm_state_size = config.mamba_d_state
+        self.conv_kernel_size = config.mamba_d_conv
+        self.head_dim = config.mamba2_head_dim
+        self.num_heads = config.mamba2_num_heads
+        self.n_groups = config.mamba2_n_groups
+        self.chunk_size = config.mamba2_chunk_size
+        self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.ssm_state_size  # x, B, C
+        self.act = ACT2FN[config.hidden_act]
+
+        self.in_proj = nn.Linear(
+            config.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias=config.mamba_proj_bias
+        )
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            kernel_size=self.conv_kernel_size,
+            groups=self.conv_dim,
+            padding=self.conv_kernel_size - 1,
+            bias=config.mamba_conv_bias,
+        )
+        self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = SambaGatedRMSNorm(self.intermediate_size, self.intermediate_size // self.n_groups, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mamba_proj_bias)
+        self.out_proj.is_residual_output = True
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        documents: PackedDocuments | None = None,
+    ) -> torch.Tensor:
+        # hidden_states (batch, seq, hidden); attention_mask (batch, seq): 1 for tokens, 0 for padding, or None.
+        if documents is not None:  # packed sequences: the conv and the scan restart at each document
+            return documents.pack(self(documents.unpack(hidden_states), attention_mask=documents.valid))
+        batch, seq_len, _ = hidden_states.shape
+        mask = attention_mask[:, :, None].to(hidden_states.dtype) if attention_mask is not None else None
+        # Read the SSM state before the conv update below marks the layer as having a previous state.
+        ssm_state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
+
+        z, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        if mask is not None:
+            xBC = xBC * mask
+        xBC = xBC.transpose(1, 2)  # (batch, conv_dim, seq)
+        if past_key_values is not None:
+            xBC = past_key_values.update_conv_state(xBC, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        xBC = self.act(causal_conv(self.conv1d, xBC, seq_len)).transpose(1, 2)  # (batch, seq, conv_dim)
+        x, B, C = xBC.split([self.intermediate_size, *2 * [self.n_groups * self.ssm_state_size]], dim=-1)
+
+        dt = nn.functional.softplus(dt.float() + self.dt_bias.float())  # (batch, seq, heads), float32
+        if mask is not None:
+            dt = dt * mask  # a zero step leaves the state as it was: padding neither decays nor feeds it
+        A = -torch.exp(self.A_log.float())  # (heads,)
+        groups = (batch, seq_len, self.n_groups, self.ssm_state_size)
+        y, ssm_state = ssd_scan(
+            x.reshape(batch, seq_len, self.num_heads, self.head_dim), dt, A, B.reshape(groups), C.reshape(groups),
+            self.D, ssm_state, self.chunk_size,
+        )
+        if past_key_values is not None:
+            past_key_values.update_recurrent_state(ssm_state, self.layer_idx)
+        return self.out_proj(self.norm(y.reshape(batch, seq_len, self.intermediate_size), z))
+
+
 class SambaMLP(nn.Module):
-    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)) (official w1 = gate, w2 = up, w3 = down)."""
+    """SwiGLU, down_proj(silu(gate_proj(x)) * up_proj(x)) (official w1 = gate, w2 = up, w3 = down); or, with
+    `config.mlp_gated=False`, down_proj(act(up_proj(x))) (Megatron's linear_fc1 = up, linear_fc2 = down)."""
 
     def __init__(self, config: SambaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        if config.mlp_gated:
+            self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.down_proj.is_residual_output = True
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = ACT2FN[config.mlp_hidden_act or config.hidden_act]
+        self.gated = config.mlp_gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.down_proj(self.act_fn(self.up_proj(x)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SambaDecoderLayer(GradientCheckpointingLayer):
-    """x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x)) (no MLP when intermediate_size == 0)."""
+    """x += mixer(input_layernorm(x)); x += mlp(post_attention_layernorm(x)) (no MLP when `config.mixer_mlp` is
+    False). An "mlp" layer is x += mlp(input_layernorm(x)) alone."""
 
     def __init__(self, config: SambaConfig, layer_idx: int):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         self.input_layernorm = SambaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = None
+        if self.layer_type == "mlp":
+            self.mlp = SambaMLP(config)
+            return
         if self.layer_type == "linear_attention":
-            self.mamba = SambaMambaMixer(config, layer_idx)
+            self.mamba = (SambaMamba2Mixer if config.mamba_version == 2 else SambaMambaMixer)(config, layer_idx)
         else:
             self.self_attn = SambaAttention(config, layer_idx)
-        if config.intermediate_size > 0:
+        if config.mixer_mlp:
             self.post_attention_layernorm = SambaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.mlp = SambaMLP(config)
-        else:
-            self.mlp = None
 
     def forward(
         self,
@@ -446,6 +557,8 @@ class SambaDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
+        if self.layer_type == "mlp":
+            return residual + self.mlp(hidden_states)
         if self.layer_type == "linear_attention":
             hidden_states = self.mamba(
                 hidden_states, attention_mask=attention_mask, past_key_values=past_key_values, documents=documents
@@ -471,7 +584,7 @@ class SambaPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["SambaDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
-    _keep_in_fp32_modules_strict = ["A_log", "mamba.D"]
+    _keep_in_fp32_modules_strict = ["A_log", "mamba.D", "dt_bias"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -500,7 +613,8 @@ class SambaPreTrainedModel(PreTrainedModel):
         Embeddings N(0, initializer_range); linear layers keep PyTorch's default (kaiming-uniform) with zero biases;
         the residual-output projections (o_proj, down_proj, mamba.out_proj) are divided by
         sqrt(residuals_per_layer * num_hidden_layers); Mamba: dt_proj uniform(+-dt_rank^-0.5 * dt_scale), its bias
-        the inverse softplus of log-uniform steps in [dt_min, dt_max], A_log = log(1..N), D = 1.
+        the inverse softplus of log-uniform steps in [dt_min, dt_max], A_log = log(1..N), D = 1. Mamba-2 (mamba-ssm
+        `Mamba2`): dt_bias the same inverse softplus per head, A_log = log(uniform(1, 16)) per head, D = 1.
         """
         config = self.config
         if isinstance(module, nn.Embedding):
@@ -508,13 +622,13 @@ class SambaPreTrainedModel(PreTrainedModel):
         elif isinstance(module, (nn.Linear, nn.Conv1d)):
             init.kaiming_uniform_(module.weight, a=math.sqrt(5))
             if getattr(module, "is_residual_output", False):
-                residuals_per_layer = 2 if config.intermediate_size > 0 else 1
+                residuals_per_layer = 2 if config.mixer_mlp else 1
                 init.copy_(module.weight, module.weight / math.sqrt(residuals_per_layer * config.num_hidden_layers))
             if module.bias is not None:
                 fan_in = module.weight[0].numel()
                 bound = 1 / math.sqrt(fan_in) if isinstance(module, nn.Conv1d) else 0.0
                 init.uniform_(module.bias, -bound, bound)
-        elif isinstance(module, SambaRMSNorm):
+        elif isinstance(module, (SambaRMSNorm, SambaGatedRMSNorm)):
             init.ones_(module.weight)
         elif isinstance(module, SambaRotaryEmbedding):
             super()._init_weights(module)  # refills the non-persistent inv_freq buffers
@@ -528,6 +642,13 @@ class SambaPreTrainedModel(PreTrainedModel):
             dt = torch.exp(torch.rand(module.intermediate_size) * (log_max - log_min) + log_min)
             dt = dt.clamp(min=config.mamba_dt_init_floor)
             init.copy_(module.dt_proj.bias, dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        elif isinstance(module, SambaMamba2Mixer):
+            init.copy_(module.A_log, torch.log(torch.empty(module.num_heads).uniform_(1, 16)))
+            init.ones_(module.D)
+            log_min, log_max = math.log(config.mamba_dt_min), math.log(config.mamba_dt_max)
+            dt = torch.exp(torch.rand(module.num_heads) * (log_max - log_min) + log_min)
+            dt = dt.clamp(min=config.mamba_dt_init_floor)
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
 
 class SambaModel(SambaPreTrainedModel):
@@ -651,7 +772,7 @@ class SambaModel(SambaPreTrainedModel):
             raise ValueError(f"past_key_values has {len(layers)} layers but this model has {n}: {fix}.")
         kinds = [cache_layer_kind(layer) for layer in layers]
         sharing = getattr(config, "kv_sharing_modes", None) or ["own"] * n  # "reuse": no cache of its own
-        expected = ["dummy" if mode == "reuse" else kind for kind, mode in zip(config.layer_types, sharing)]
+        expected = ["dummy" if mode == "reuse" or kind == "mlp" else kind for kind, mode in zip(config.layer_types, sharing)]
         # a full-attention cache keeps all a sliding layer needs (a `DynamicCache()` of an attention-only model)
         if any(k != t and (k, t) != ("full_attention", "sliding_attention") for k, t in zip(kinds, expected)):
             raise ValueError(
@@ -667,11 +788,12 @@ class SambaModel(SambaPreTrainedModel):
                 )
             if (shape := cache_layer_shape(layer)) is None:
                 continue
-            widths = (
-                (config.mamba_d_inner, config.mamba_d_state, config.mamba_d_conv)
-                if kind == "linear_attention"
-                else (config.num_key_value_heads, config.head_dim)
-            )
+            if kind != "linear_attention":
+                widths = (config.num_key_value_heads, config.head_dim)
+            elif config.mamba_version == 2:
+                widths = (config.mamba2_num_heads, config.mamba2_head_dim, config.mamba_d_state, config.mamba_d_conv)
+            else:
+                widths = (config.mamba_d_inner, config.mamba_d_state, config.mamba_d_conv)
             if shape[0] != batch:
                 raise ValueError(
                     f"past_key_values holds a batch of {shape[0]} sequences but the input has {batch}: a cache "
@@ -723,13 +845,13 @@ class SambaModel(SambaPreTrainedModel):
         mask_mapping = self._mask_mapping(inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents)
         hidden_states = inputs_embeds
         position_embeddings = None
-        if self.config.use_rope and any(kind != "linear_attention" for kind in self.config.layer_types):
+        if self.config.use_rope and any(kind in ATTENTION_TYPES for kind in self.config.layer_types):
             position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
 
         for decoder_layer in self.layers:
             hidden_states = decoder_layer(
                 hidden_states,
-                attention_mask=mask_mapping[decoder_layer.layer_type],
+                attention_mask=mask_mapping.get(decoder_layer.layer_type),  # "mlp" layers: none
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
                 position_ids=position_ids,
@@ -752,7 +874,7 @@ class SambaModel(SambaPreTrainedModel):
             # Each mask is sized against the cache of the first layer of its kind.
             mask_mapping = {
                 kind: MASK_BUILDERS[kind](**mask_kwargs, layer_idx=self.config.layer_types.index(kind))
-                for kind in set(self.config.layer_types)
+                for kind in set(self.config.layer_types) & set(MASK_BUILDERS)
                 if not (
                     kind == "sliding_attention"
                     and documents is None  # the block-wise path knows no document boundaries
@@ -815,8 +937,8 @@ class SambaModel(SambaPreTrainedModel):
         return past_key_values.has_previous_state()
 
     def _has_attention_cache(self, past_key_values: Cache | None) -> bool:
-        # A cache of Mamba layers only tracks no sequence length (and asking it raises).
-        return past_key_values is not None and any(kind != "linear_attention" for kind in self.config.layer_types)
+        # A cache of Mamba (and MLP) layers only tracks no sequence length (and asking it raises).
+        return past_key_values is not None and any(kind in ATTENTION_TYPES for kind in self.config.layer_types)
 
 
 class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
@@ -896,7 +1018,9 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         """Bytes held by the generation cache (`DynamicCache(config=...)`) once `seq_len` tokens have been seen.
 
         Per Mamba layer: one conv window (batch, d_inner, d_conv) in the model dtype and one SSM state
-        (batch, d_inner, d_state) in float32, whatever the length. Per sliding layer: keys and values for at most
+        (batch, d_inner, d_state) in float32, whatever the length; per Mamba-2 layer the conv window covers x, B and C
+        (batch, d_inner + 2 * groups * d_state, d_conv) and the state is (batch, heads, head_dim, d_state), float32.
+        "mlp" layers keep nothing. Per sliding layer: keys and values for at most
         `sliding_window - 1` positions. Per full-attention layer: keys and values for all `seq_len` positions.
         `seq_len=None` means "any length past the window" (the size a Samba layout never exceeds); it is an error
         for layouts with full-attention layers, whose cache has no bound.
@@ -907,7 +1031,13 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         total = 0
         for kind in config.layer_types:
             if kind == "linear_attention":
-                total += batch_size * config.mamba_d_inner * (config.mamba_d_conv * element + config.mamba_d_state * 4)
+                conv_channels = config.mamba_d_inner
+                if config.mamba_version == 2:
+                    conv_channels += 2 * config.mamba2_n_groups * config.mamba_d_state
+                total += batch_size * (conv_channels * config.mamba_d_conv * element
+                                       + config.mamba_d_inner * config.mamba_d_state * 4)
+            elif kind == "mlp":
+                continue
             elif kind == "sliding_attention":
                 window = config.sliding_window - 1
                 total += kv_per_position * (window if seq_len is None else min(seq_len, window))
@@ -929,6 +1059,18 @@ def hub_metadata(license: str = "unknown", base_model: str | None = None, extra_
     ).to_yaml()
 
 
+def architecture(config: SambaConfig) -> str:
+    """What the layout is, in words, for a model card."""
+    if "mlp" in config.layer_types:
+        mixers = "Mamba-2" if config.mamba_version == 2 else "Mamba"
+        return (f"a hybrid of {mixers}, attention and MLP blocks of one sub-layer each (pattern "
+                f"{config.hybrid_pattern}), as NVIDIA's Mamba-2-Hybrid (Waleffe et al., 2024)")
+    mixers = "Mamba-2" if config.mamba_version == 2 else "Mamba"
+    return (f"Samba (Ren et al., ICLR 2025): {mixers} and attention layers (pattern {config.hybrid_pattern}), each "
+            "followed by an MLP" if config.mixer_mlp else f"{mixers} and attention layers (pattern "
+            f"{config.hybrid_pattern}) without MLPs")
+
+
 def model_card(config: SambaConfig, title: str, details: str, **metadata) -> str:
     """A README.md for a Samba folder: Hub metadata, what the model is, and how to load it with or without samba-hf."""
     layers = ", ".join(f"{config.layer_types.count(t)} {t}" for t in dict.fromkeys(config.layer_types))
@@ -941,8 +1083,7 @@ def model_card(config: SambaConfig, title: str, details: str, **metadata) -> str
 {details}
 
 - Layers: {config.num_hidden_layers} ({layers}); hidden size {config.hidden_size}, vocabulary {config.vocab_size}.
-- Architecture: Samba (Ren et al., ICLR 2025): Mamba and sliding-window attention layers, each followed by a
-  SwiGLU MLP, in the transformers implementation of samba-hf.
+- Architecture: {architecture(config)}, in the transformers implementation of samba-hf.
 
 ## Use
 

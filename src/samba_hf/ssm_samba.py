@@ -46,6 +46,7 @@ logger = logging.get_logger(__name__)
 _BLOCK = 64
 
 _KERNELS = None
+_SSD_KERNELS = None
 _CONV_KERNELS = None
 
 
@@ -61,6 +62,20 @@ def _mamba_kernels():
         except Exception:  # not installed, or built for another CUDA/torch
             _KERNELS = (None, None)
     return _KERNELS
+
+
+def _ssd_kernels():
+    """(mamba_chunk_scan_combined, selective_state_update) from mamba-ssm (its Mamba-2 kernels), or (None, None)."""
+    global _SSD_KERNELS
+    if _SSD_KERNELS is None:
+        try:
+            from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+            _SSD_KERNELS = (mamba_chunk_scan_combined, selective_state_update)
+        except Exception:  # not installed, or built for another CUDA/torch
+            _SSD_KERNELS = (None, None)
+    return _SSD_KERNELS
 
 
 def _conv_kernels():
@@ -141,6 +156,99 @@ def selective_scan_pytorch(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[tor
     if z is not None:
         y = y * F.silu(z.float())
     return y.to(u.dtype), h
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    h0: torch.Tensor | None = None,
+    chunk_size: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's state space recurrence (SSD), per head h of group g = h // (heads / groups):
+
+        S_t = exp(dt_t * A_h) * S_{t-1} + dt_t * x_t B_t^T        (S: head_dim x d_state)
+        y_t = S_t C_t + D_h * x_t
+
+    Shapes: x (batch, seq, heads, head_dim); dt (batch, seq, heads), after softplus (a zero step skips a padded
+    position); A, D (heads,); B, C (batch, seq, groups, d_state); h0 (batch, heads, head_dim, d_state) or None.
+    Returns y (batch, seq, heads, head_dim) in x's dtype and the last state in float32. On CUDA with mamba-ssm:
+    `mamba_chunk_scan_combined` (any length, from h0 too) and `selective_state_update` (one token from h0);
+    elsewhere `ssd_scan_pytorch`.
+    """
+    if _kernel_device(x):
+        chunk_fn, state_update_fn = _ssd_kernels()
+        if x.shape[1] == 1 and h0 is not None and state_update_fn is not None:
+            return _ssd_step_with_kernel(state_update_fn, x, dt, A, B, C, D, h0)
+        if chunk_fn is not None:
+            y, last = chunk_fn(x, dt.to(x.dtype), A.float(), B.to(x.dtype), C.to(x.dtype), chunk_size,
+                               D=None if D is None else D.float(), initial_states=None if h0 is None else h0.float(),
+                               dt_softplus=False, return_final_states=True)
+            return y.to(x.dtype), last.float()
+        logger.warning_once("samba-hf: mamba-ssm is not installed; the Mamba-2 scan runs in PyTorch (slower on GPU)")
+    return ssd_scan_pytorch(x, dt, A, B, C, D, h0, chunk_size)
+
+
+def ssd_scan_pytorch(x, dt, A, B, C, D=None, h0=None, chunk_size=128) -> tuple[torch.Tensor, torch.Tensor]:
+    """SSD in its chunked matrix form, in float32, one chunk of `chunk_size` tokens at a time (Python runs per chunk,
+    never per token; the largest tensors are (batch, chunk, chunk, heads) and one state, whatever the length).
+    Within a chunk, with a_t = dt_t * A (<= 0) and cum_i = a_1 + ... + a_i:
+
+        y_i = sum_{j <= i} exp(cum_i - cum_j) dt_j (C_i . B_j) x_j  +  exp(cum_i) C_i S_0     (S_0: the incoming state)
+        S   = exp(cum_last) S_0 + sum_j exp(cum_last - cum_j) dt_j x_j B_j^T
+
+    Every exponent is <= 0, so nothing overflows at any length."""
+    batch, seq_len, heads, head_dim = x.shape
+    groups, d_state = B.shape[2:]
+    per_group = heads // groups
+    A = A.float()
+    state = x.new_zeros(batch, heads, head_dim, d_state, dtype=torch.float32) if h0 is None else h0.float()
+    # heads as (groups, heads per group): a head's B and C are its group's, without repeating them per head
+    state = state.view(batch, groups, per_group, head_dim, d_state)
+    ys = []
+    for start in range(0, seq_len, chunk_size):
+        end = min(start + chunk_size, seq_len)
+        xc = x[:, start:end].float().view(batch, -1, groups, per_group, head_dim)  # (b, q, g, r, p)
+        dtc = dt[:, start:end].float().view(batch, -1, groups, per_group)  # (b, q, g, r)
+        Bc, Cc = B[:, start:end].float(), C[:, start:end].float()  # (b, q, g, n)
+        cum = torch.cumsum(dtc * A.view(groups, per_group), dim=1)  # (b, q, g, r)
+        # decay from position j to position i (i >= j): exp(cum_i - cum_j), zero above the diagonal
+        length = end - start
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        segment = (cum[:, :, None] - cum[:, None]).masked_fill(~causal[None, :, :, None, None], float("-inf"))
+        scores = torch.einsum("bign,bjgn->bijg", Cc, Bc)[..., None] * segment.exp() * dtc[:, None]  # (b, i, j, g, r)
+        y = torch.einsum("bijgr,bjgrp->bigrp", scores, xc)
+        y = y + torch.einsum("bign,bgrpn->bigrp", Cc, state) * cum.exp()[..., None]
+        to_end = (cum[:, -1:] - cum).exp() * dtc  # (b, q, g, r)
+        state = state * cum[:, -1].exp()[..., None, None] + torch.einsum(
+            "bjgrp,bjgn->bgrpn", xc * to_end[..., None], Bc
+        )
+        ys.append(y)
+    y = torch.cat(ys, dim=1).view(batch, seq_len, heads, head_dim) if ys else x.new_zeros(x.shape, dtype=torch.float32)
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    return y.to(x.dtype), state.view(batch, heads, head_dim, d_state)
+
+
+def _ssd_step_with_kernel(state_update_fn, x, dt, A, B, C, D, h0):
+    # mamba-ssm's Mamba-2 step: per-channel arguments with the head's values repeated over head_dim (and d_state)
+    heads, head_dim, d_state = h0.shape[1:]
+    state = h0.float().clone()  # updated in place by the kernel: (b, h, p, n)
+    y = state_update_fn(
+        state,
+        x[:, 0],
+        dt[:, 0, :, None].expand(-1, heads, head_dim).to(x.dtype),
+        A.float()[:, None, None].expand(heads, head_dim, d_state),
+        B[:, 0].to(x.dtype),
+        C[:, 0].to(x.dtype),
+        D=None if D is None else D.float()[:, None].expand(heads, head_dim),
+        dt_bias=None,
+        dt_softplus=False,
+    )
+    return y[:, None].to(x.dtype), state
 
 
 _CPU_SCAN_SOURCE = r"""

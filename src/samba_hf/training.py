@@ -1,4 +1,4 @@
-"""Fine-tuning helpers: the recommended LoRA targets for Samba.
+"""Fine-tuning helpers: the recommended LoRA targets for Samba and the Mamba-2 layouts.
 
     from peft import get_peft_model
     from samba_hf.training import lora_config
@@ -11,7 +11,7 @@ of its channels has `mamba_d_conv` (4) weights, and PEFT only adapts a grouped c
 its d_inner groups; train it in full with `modules_to_save=["conv1d"]` if it must change.
 """
 
-# attention q/k/v/o, SwiGLU gate/up/down, Mamba in/x/dt/out projections
+# attention q/k/v/o, SwiGLU gate/up/down (a plain MLP: up/down), Mamba in/x/dt/out projections (Mamba-2: in/out)
 LORA_TARGET_MODULES = [
     "q_proj", "k_proj", "v_proj", "o_proj",
     "gate_proj", "up_proj", "down_proj",

@@ -2,7 +2,9 @@
 
     convert("lit-gpt", "iter-100000-ckpt.pth", "samba-421m-hf", config="Samba_421M", tokenizer="tokenizer.model")
     convert("fla" | "mamba" | "mistral" | "llama", SRC_FOLDER, OUT)
+    convert("megatron", "mamba2-hybrid-8b-3t-4k", OUT)          # NVIDIA's Megatron-LM folder as downloaded, or its .pt
     export_lit_gpt("samba-421m-hf", "samba-421m.pth")
+    export_megatron("m-finetuned", "megatron/release/mp_rank_00/model_optim_rng.pt")
 
 Each source is checked in full (every key and shape against the config) before anything is written; the output is
 written beside OUT under a temporary name and renamed at the end (see `writer.atomic_folder`).
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..configuration_samba import SambaConfig
-from . import fla, lit_gpt, transformers_models
+from . import fla, lit_gpt, megatron, transformers_models
 from .checkpoint import Checkpoint, ConversionError
 from .tokenizer import TOKENIZER_FILES, save_tokenizer
 from .verify import AUTO_VERIFY_MAX_PARAMS, verify
@@ -45,6 +47,7 @@ SOURCES = {
     "mamba": "transformers' MambaForCausalLM folder (e.g. state-spaces/mamba-130m-hf)",
     "mistral": "transformers' MistralForCausalLM folder",
     "llama": "transformers' LlamaForCausalLM folder",
+    "megatron": "NVIDIA's Megatron-LM Mamba checkpoints (Mamba-2-Hybrid 8B, Mamba-2 8B): the folder as downloaded or its .pt",
 }
 PLANS = {
     "lit-gpt": lit_gpt.plan,
@@ -52,6 +55,7 @@ PLANS = {
     "mamba": transformers_models.plan_mamba,
     "mistral": transformers_models.plan_same_names("mistral"),
     "llama": transformers_models.plan_same_names("llama"),
+    "megatron": megatron.plan,
 }
 
 
@@ -87,7 +91,8 @@ def resolve_config(config: str | os.PathLike | SambaConfig | dict | None) -> Sam
 def source_card(checkpoint: Checkpoint) -> dict:
     """What the source folder says of itself for the model card: the Hub repository its config.json names
     ("org/name"), as base_model, and the license of its own model card. Empty when unknown."""
-    folder = checkpoint.path if checkpoint.path.is_dir() else checkpoint.path.parent
+    path = getattr(checkpoint, "source", checkpoint.path)  # a Megatron checkpoint: the folder as downloaded
+    folder = path if path.is_dir() else path.parent
     known = {}
     try:
         name = str(json.loads((folder / "config.json").read_text()).get("_name_or_path", ""))
@@ -149,11 +154,14 @@ def convert(
             raise ConversionError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
         dtype = DTYPES[dtype]
     shard_bytes = parse_size(max_shard_size)
-    tokenizer = Path(tokenizer) if tokenizer is not None else source_tokenizer(src)
+    if tokenizer is not None:
+        tokenizer = Path(tokenizer)
+    else:
+        tokenizer = megatron.find_tokenizer(src) if source == "megatron" else source_tokenizer(src)
     sources = (src,) if tokenizer is None else (src, tokenizer)
     check_output(out, force, sources)  # said first (atomic_folder checks again right before it writes)
     cleaned = clean_stale(out)
-    checkpoint = Checkpoint(src)
+    checkpoint = megatron.MegatronCheckpoint(src) if source == "megatron" else Checkpoint(src)
     samba_config, origin = resolve_config(config), "from the source's config.json"
     if source == "lit-gpt":
         samba_config, origin = lit_gpt.choose_config(checkpoint, samba_config, force_config)
@@ -169,10 +177,16 @@ def convert(
         verify_parity = params <= AUTO_VERIFY_MAX_PARAMS
     command = command or "samba_hf.conversion.convert(" + ", ".join(repr(str(a)) for a in (source, src, out)) + ")"
 
+    sentencepiece = None
+    if source == "megatron" and tokenizer is not None:  # Megatron's GPTSentencePieceTokenizer, reproduced exactly
+        sentencepiece = megatron_tokenizer(tokenizer, samba_config)
+
     with atomic_folder(out, force, sources) as folder:
         write_safetensors(folder, tensors, shapes, dtype, shard_bytes, progress=progress)
         write_config_and_code(folder, samba_config, dtype)
-        if tokenizer is not None:
+        if sentencepiece is not None:
+            sentencepiece.save_pretrained(folder)
+        elif tokenizer is not None:
             add_bos = False if source == "lit-gpt" else None  # the official runs packed documents without BOS
             save_tokenizer(tokenizer, folder, samba_config.vocab_size, add_bos)
         parity = verify(source, checkpoint, samba_config, folder, dtype)[1] if verify_parity else None
@@ -184,14 +198,63 @@ def convert(
             "cleaned": cleaned}
 
 
+def megatron_tokenizer(path: Path, config: SambaConfig):
+    """The SentencePiece model as a transformers tokenizer that encodes as Megatron's `GPTSentencePieceTokenizer`
+    (no BOS or EOS added); the config takes its end-of-document id, where generation stops."""
+    from .sentencepiece_tokenizer import tokenizer_from_sentencepiece
+
+    if not (path.is_file() and path.suffix == ".model"):
+        raise ConversionError(f"--tokenizer {path}: Megatron's tokenizer is a SentencePiece .model file.")
+    tokenizer = tokenizer_from_sentencepiece(path)
+    if len(tokenizer) > config.vocab_size:
+        raise ConversionError(f"the tokenizer {path} has {len(tokenizer)} tokens but the model's vocabulary is "
+                              f"{config.vocab_size}: wrong tokenizer?")
+    config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer
+
+
 def export_lit_gpt(src: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> dict:
     """A samba-hf folder -> the official code's checkpoint file `{"model": state_dict}` (what its eval.py loads),
     in the folder's dtype. Every tensor comes from the folder (a missing, unexpected or mis-shaped one, or NaN/inf,
     is an error). Returns {"out", "official_name", "cleaned"} (official_name: the matching official config name, or
     None; cleaned: what an interrupted earlier run had left beside `out`)."""
+    src, out = Path(src), Path(out)
+    model, cleaned = load_for_export(src, out, force)
+    if model.config.mamba_version != 1 or "mlp" in model.config.layer_types:
+        raise ConversionError(f"{src} holds a Mamba-2 layout: the official Samba code has no layout for it (export "
+                              "megatron writes Megatron-LM's).")
+    write_checkpoint({"model": lit_gpt.to_official(model.state_dict(), model.config)}, out)
+    return {"out": out, "official_name": lit_gpt.official_name_of(model.config), "cleaned": cleaned}
+
+
+def export_megatron(src: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> dict:
+    """A samba-hf folder of a Megatron layout (what `convert("megatron", ...)` writes, fine-tuned or not) -> a
+    Megatron-LM checkpoint file in the released layout: `{"model", "args", "checkpoint_version", "iteration"}`, the
+    same key names, the interleaved linear_qkv, bfloat16. When OUT is `.../release/mp_rank_00/model_optim_rng.pt`,
+    the folder two levels up gets the `latest_checkpointed_iteration.txt` Megatron looks for (if it has none).
+    Returns {"out", "tracker", "cleaned"}."""
+    src, out = Path(src), Path(out)
+    model, cleaned = load_for_export(src, out, force)
+    megatron.check_exportable(model.config, src)
+    state = megatron.to_megatron(model.state_dict(), model.config)
+    write_checkpoint({"model": state, "args": megatron.megatron_args(model.config), "checkpoint_version": 3.0,
+                      "iteration": 0}, out)
+    tracker = None
+    if out.parent.name == "mp_rank_00" and out.parent.parent.name == "release":
+        tracker = out.parents[2] / megatron.TRACKER
+        if not tracker.exists():
+            with os_errors(tracker):
+                tracker.write_text("release")
+        else:
+            tracker = None
+    return {"out": out, "tracker": tracker, "cleaned": cleaned}
+
+
+def load_for_export(src: Path, out: Path, force: bool):
+    """(the model of a samba-hf folder, what an interrupted earlier export left beside OUT), after checking OUT."""
     from ..model_folder import ModelFolderError, load_model
 
-    src, out = Path(src), Path(out)
     check_export_target(out, src, force)
     cleaned = clean_stale(out)
     try:
@@ -199,22 +262,25 @@ def export_lit_gpt(src: str | os.PathLike, out: str | os.PathLike, force: bool =
     except ModelFolderError as error:
         raise ConversionError(str(error)) from None
     if model.config.model_type != "samba":
-        raise ConversionError(f"{src} holds a {model.config.model_type!r} model: the official Samba code has no "
-                              "layout for it (export lit-gpt takes Samba folders).")
-    state = lit_gpt.to_official(model.state_dict(), model.config)
+        raise ConversionError(f"{src} holds a {model.config.model_type!r} model; export takes samba-hf folders of "
+                              "model type 'samba'.")
+    return model, cleaned
+
+
+def write_checkpoint(checkpoint: dict, out: Path):
+    """torch.save under a temporary name beside OUT, renamed at the end: OUT is whole or untouched."""
     with os_errors(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         handle, tmp = tempfile.mkstemp(prefix=temporary_name(out), suffix=".partial", dir=out.parent)
     os.close(handle)
     try:
         with os_errors(out):
-            torch.save({"model": state}, tmp)
+            torch.save(checkpoint, tmp)
             os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp made it 0600
             os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return {"out": out, "official_name": lit_gpt.official_name_of(model.config), "cleaned": cleaned}
 
 
 def check_export_target(out: Path, src: Path, force: bool):
@@ -248,4 +314,4 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join(["samba-hf", *(sys.argv[1:] if argv is None else argv)])
 
 
-__all__ = ["SOURCES", "ConversionError", "convert", "export_lit_gpt", "resolve_config"]
+__all__ = ["SOURCES", "ConversionError", "convert", "export_lit_gpt", "export_megatron", "resolve_config"]

@@ -41,18 +41,20 @@ def _attention(q, k, v, config: SambaConfig, window: int | None):
     return torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v).flatten(2)
 
 
+def _causal_conv(u, weight, bias):
+    # u (b, t, channels); weight (channels, 1, width): out[t] = sum_k weight[:, k] * u[t - width + 1 + k] (+ bias)
+    width = weight.shape[-1]
+    padded = F.pad(u.transpose(1, 2), (width - 1, 0))
+    conv = sum(padded[..., k : k + u.shape[1]] * weight[:, 0, k, None] for k in range(width)).transpose(1, 2)
+    return conv if bias is None else conv + bias
+
+
 def _mamba(x, get, config: SambaConfig):
     # x (b, t, d); get(name) -> float64 tensor of this mixer; the recurrence token by token
     inner, n, rank = config.mamba_d_inner, config.mamba_d_state, config.mamba_dt_rank
     xz = x @ get("in_proj.weight").T + (get("in_proj.bias") if config.mamba_proj_bias else 0)
     u, z = xz[..., :inner], xz[..., inner:]
-    width = config.mamba_d_conv
-    padded = F.pad(u.transpose(1, 2), (width - 1, 0))
-    w = get("conv1d.weight")[:, 0]  # (inner, width)
-    conv = sum(padded[..., k : k + u.shape[1]] * w[:, k, None] for k in range(width)).transpose(1, 2)
-    if config.mamba_conv_bias:
-        conv = conv + get("conv1d.bias")
-    u = F.silu(conv)
+    u = F.silu(_causal_conv(u, get("conv1d.weight"), get("conv1d.bias") if config.mamba_conv_bias else None))
     dbc = u @ get("x_proj.weight").T
     dt = F.softplus(dbc[..., :rank] @ get("dt_proj.weight").T + get("dt_proj.bias"))
     B, C = dbc[..., rank : rank + n], dbc[..., rank + n :]
@@ -123,4 +125,61 @@ def fla_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch.Tens
         x = x + _swiglu(h, *(get(f"{layer}.mlp.{p}_proj.weight") for p in ("gate", "up", "down")))
     x = _rms_norm(x, get("backbone.norm_f.weight"), eps)
     head = "lm_head.weight" if "lm_head.weight" in state_dict else "backbone.embeddings.weight"
+    return x @ get(head).T
+
+
+def _mamba2(x, get, config: SambaConfig):
+    # x (b, t, d); Megatron's Mamba-2 mixer (megatron/core/ssm/mamba_mixer.py) with the recurrence token by token
+    inner, n, groups = config.mamba_d_inner, config.mamba_d_state, config.mamba2_n_groups
+    heads, head_dim = config.mamba2_num_heads, config.mamba2_head_dim
+    batch, length, _ = x.shape
+    z, xBC, dt = (x @ get("in_proj.weight").T).split([inner, inner + 2 * groups * n, heads], dim=-1)
+    xBC = F.silu(_causal_conv(xBC, get("conv1d.weight"), get("conv1d.bias")))
+    u, B, C = xBC.split([inner, groups * n, groups * n], dim=-1)
+    u = u.reshape(batch, length, heads, head_dim)
+    # head h reads group h // (heads / groups)
+    B = B.reshape(batch, length, groups, n).repeat_interleave(heads // groups, dim=2)
+    C = C.reshape(batch, length, groups, n).repeat_interleave(heads // groups, dim=2)
+    dt = F.softplus(dt + get("dt_bias"))  # (b, t, heads)
+    A, D = -torch.exp(get("A_log")), get("D")
+    state = torch.zeros(batch, heads, head_dim, n, dtype=torch.float64)
+    ys = []
+    for t in range(length):
+        step = dt[:, t, :, None, None]
+        state = torch.exp(step * A[:, None, None]) * state + step * u[:, t, :, :, None] * B[:, t, :, None, :]
+        ys.append((state * C[:, t, :, None, :]).sum(-1) + D[:, None] * u[:, t])
+    y = torch.stack(ys, dim=1).reshape(batch, length, inner) * F.silu(z)
+    y = y.reshape(batch, length, groups, -1)  # the gated RMSNorm: one group per group of heads
+    y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)).reshape(batch, length, inner) * get("norm.weight")
+    return y @ get("out_proj.weight").T
+
+
+def megatron_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch.Tensor:
+    """Megatron-LM's MambaModel (megatron/core/models/mamba, the blocks of its hybrid stack) in float64, from the
+    checkpoint's own key names: the unfused (released) or fused Mamba norm, the GQA-interleaved linear_qkv."""
+    def get(name):
+        return state_dict[name].double()
+
+    eps, hs = config.rms_norm_eps, config.head_dim
+    x = F.embedding(ids, get("embedding.word_embeddings.weight"))
+    for i, kind in enumerate(config.layer_types):
+        block = f"decoder.layers.{i}"
+        if kind == "linear_attention":
+            norm = f"{block}.norm.weight" if f"{block}.norm.weight" in state_dict else f"{block}.mixer.in_proj.layer_norm_weight"
+            x = x + _mamba2(_rms_norm(x, get(norm), eps), lambda name: get(f"{block}.mixer.{name}"), config)
+        elif kind == "full_attention":
+            h = _rms_norm(x, get(f"{block}.self_attention.linear_qkv.layer_norm_weight"), eps)
+            b, t, _ = h.shape
+            groups = config.num_key_value_heads
+            per_group = config.num_attention_heads // groups
+            qkv = (h @ get(f"{block}.self_attention.linear_qkv.weight").T).view(b, t, groups, per_group + 2, hs)
+            q, k, v = qkv.split((per_group, 1, 1), dim=-2)
+            q, k, v = q.reshape(b, t, -1, hs), k.reshape(b, t, -1, hs), v.reshape(b, t, -1, hs)
+            x = x + _attention(q, k, v, config, None) @ get(f"{block}.self_attention.linear_proj.weight").T
+        else:
+            h = _rms_norm(x, get(f"{block}.mlp.linear_fc1.layer_norm_weight"), eps)
+            act = (lambda a: F.relu(a) ** 2) if config.mlp_hidden_act == "relu2" else F.gelu  # Megatron: exact erf GELU
+            x = x + act(h @ get(f"{block}.mlp.linear_fc1.weight").T) @ get(f"{block}.mlp.linear_fc2.weight").T
+    x = _rms_norm(x, get("decoder.final_norm.weight"), eps)
+    head = "output_layer.weight" if "output_layer.weight" in state_dict else "embedding.word_embeddings.weight"
     return x @ get(head).T

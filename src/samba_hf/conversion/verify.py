@@ -16,6 +16,8 @@ def reference_logits(source: str, checkpoint: Checkpoint, config: SambaConfig, i
         return reference.lit_gpt_logits(checkpoint, config, ids)
     if source == "fla":
         return reference.fla_logits(checkpoint, config, ids)
+    if source == "megatron":
+        return reference.megatron_logits(checkpoint, config, ids)
     from transformers import LlamaForCausalLM, MambaForCausalLM, MistralForCausalLM
 
     model_class = {"mamba": MambaForCausalLM, "mistral": MistralForCausalLM, "llama": LlamaForCausalLM}[source]

@@ -284,8 +284,10 @@ def write_model_card(folder: Path, source: str, src: str, command: str, parity: 
     params = sum(int(torch.Size(s).numel()) for s in expected_tensors(config).values())
     details = (f"Converted with samba-hf from `{src}` ({source} format): {params:,} parameters, weights stored as "
                f"{str(config.dtype).replace('torch.', '')}.\n\n- Command: `{command}`\n- Parity at conversion: {parity}")
-    text = model_card(config, f"Samba model converted from {source}", details, license=license,
-                      base_model=base_model, extra_tags=["converted", source])
+    mamba2 = config.mamba_version == 2
+    text = model_card(config, f"{'Mamba-2 hybrid' if mamba2 else 'Samba'} model converted from {source}", details,
+                      license=license, base_model=base_model,
+                      extra_tags=["converted", source, *(["mamba2"] if mamba2 else [])])
     (folder / "README.md").write_text(text)
 
 
