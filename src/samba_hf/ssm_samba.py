@@ -208,7 +208,7 @@ def ssd_scan_pytorch(x, dt, A, B, C, D=None, h0=None, chunk_size=128) -> tuple[t
     state = x.new_zeros(batch, heads, head_dim, d_state, dtype=torch.float32) if h0 is None else h0.float()
     # heads as (groups, heads per group): a head's B and C are its group's, without repeating them per head
     state = state.view(batch, groups, per_group, head_dim, d_state)
-    ys = []
+    y = x.new_empty(batch, seq_len, groups, per_group, head_dim, dtype=torch.float32)
     for start in range(0, seq_len, chunk_size):
         end = min(start + chunk_size, seq_len)
         xc = x[:, start:end].float().view(batch, -1, groups, per_group, head_dim)  # (b, q, g, r, p)
@@ -220,14 +220,13 @@ def ssd_scan_pytorch(x, dt, A, B, C, D=None, h0=None, chunk_size=128) -> tuple[t
         causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
         segment = (cum[:, :, None] - cum[:, None]).masked_fill(~causal[None, :, :, None, None], float("-inf"))
         scores = torch.einsum("bign,bjgn->bijg", Cc, Bc)[..., None] * segment.exp() * dtc[:, None]  # (b, i, j, g, r)
-        y = torch.einsum("bijgr,bjgrp->bigrp", scores, xc)
-        y = y + torch.einsum("bign,bgrpn->bigrp", Cc, state) * cum.exp()[..., None]
+        from_state = torch.einsum("bign,bgrpn->bigrp", Cc, state) * cum.exp()[..., None]
+        y[:, start:end] = torch.einsum("bijgr,bjgrp->bigrp", scores, xc) + from_state
         to_end = (cum[:, -1:] - cum).exp() * dtc  # (b, q, g, r)
         state = state * cum[:, -1].exp()[..., None, None] + torch.einsum(
             "bjgrp,bjgn->bgrpn", xc * to_end[..., None], Bc
         )
-        ys.append(y)
-    y = torch.cat(ys, dim=1).view(batch, seq_len, heads, head_dim) if ys else x.new_zeros(x.shape, dtype=torch.float32)
+    y = y.view(batch, seq_len, heads, head_dim)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
     return y.to(x.dtype), state.view(batch, heads, head_dim, d_state)
