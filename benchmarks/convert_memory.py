@@ -33,6 +33,21 @@ def status_kib(pid: int) -> dict[str, int]:
     return fields
 
 
+def run_and_sample(command: list[str]) -> tuple[float, int, int]:
+    """Run `command`, sampling its /proc status every 20 ms: (seconds, peak RssAnon KiB, peak RssFile KiB)."""
+    start = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak_anon = peak_file = 0
+    while child.poll() is None:
+        fields = status_kib(child.pid)
+        peak_anon = max(peak_anon, fields.get("RssAnon", 0))
+        peak_file = max(peak_file, fields.get("RssFile", 0))
+        time.sleep(0.02)
+    if child.returncode:
+        raise SystemExit(child.stderr.read())
+    return time.perf_counter() - start, peak_anon, peak_file
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="Samba_421M", choices=sorted(lit_gpt.OFFICIAL_CONFIGS))
@@ -49,17 +64,7 @@ def main():
         size = src.stat().st_size
         command = [sys.executable, "-m", "samba_hf.cli", "convert", "lit-gpt", str(src), str(Path(tmp) / "out"),
                    "--config", args.config, "--no-verify"] + (["--dtype", args.dtype] if args.dtype else [])
-        start = time.perf_counter()
-        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        peak_anon = peak_file = 0
-        while child.poll() is None:
-            fields = status_kib(child.pid)
-            peak_anon = max(peak_anon, fields.get("RssAnon", 0))
-            peak_file = max(peak_file, fields.get("RssFile", 0))
-            time.sleep(0.02)
-        elapsed = time.perf_counter() - start
-        if child.returncode:
-            raise SystemExit(child.stderr.read())
+        elapsed, peak_anon, peak_file = run_and_sample(command)
         params = sum(math.prod(s) for n, s in shapes.items() if n != "lm_head.weight")
         print(f"{args.config}: {params:,} parameters, checkpoint {size / 2**30:.2f} GiB fp32, written as "
               f"{args.dtype or 'float32'}; convert took {elapsed:.1f} s; "

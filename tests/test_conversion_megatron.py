@@ -217,3 +217,33 @@ def test_cli_convert_and_export(release, tmp_path, capsys):
     assert "latest_checkpointed_iteration.txt" in capsys.readouterr().err
     one_line_error(capsys, ["export", "megatron", str(tmp_path / "hf"), str(out)], "exists", "--force")
     assert main(["export", "megatron", str(tmp_path / "hf"), str(out), "--force"]) == 0
+
+
+def test_the_sentencepiece_model_becomes_a_tokenizer_that_encodes_as_megatron(tmp_path):
+    """The folder's .model is converted (Megatron's GPTSentencePieceTokenizer: encode_as_ids, no BOS/EOS) and the
+    model stops generating at its end-of-document id."""
+    import io
+
+    import sentencepiece
+    from transformers import AutoTokenizer, GenerationConfig
+
+    text = ["Mamba layers read the sequence once.", "def f(x):\n    return 2 * x  # 12345", "状態空間モデル ✓"] * 30
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model, vocab_size=320,
+                                             model_type="bpe", byte_fallback=True, split_digits=True)
+    folder = tmp_path / "hub"
+    geometry = {**GEOMETRY, "vocab_size": 384}  # a padded vocabulary, as Megatron's
+    state = random_megatron_state(PATTERN, geometry, seed=6, dtype=torch.bfloat16)
+    save_megatron_checkpoint(folder, state, megatron_args(PATTERN, geometry, hybrid_override_pattern=PATTERN,
+                                                          mamba_num_groups=2, mamba_state_dim=8))
+    (folder / "nvidia_tokenizer_256k.model").write_bytes(model.getvalue())
+    result = convert("megatron", folder, tmp_path / "out", progress=False)
+    assert result["tokenizer"] == folder / "nvidia_tokenizer_256k.model"
+    sp = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    for sample in ("Mamba reads 42 tokens.\n\n  indented", "状態 ✓ ünïcödé 🙂", " leading space"):
+        assert tokenizer(sample).input_ids == sp.encode_as_ids(sample)
+        assert tokenizer.decode(sp.encode_as_ids(sample)) == sp.decode_ids(sp.encode_as_ids(sample))
+    config = SambaForCausalLM.config_class.from_pretrained(tmp_path / "out")
+    assert config.eos_token_id == sp.eos_id() == tokenizer.eos_token_id
+    assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == sp.eos_id()

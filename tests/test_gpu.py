@@ -106,3 +106,41 @@ def test_sambay_on_gpu_matches_cpu_and_trains(attn):
     gpu.train()
     gpu(x.cuda(), labels=x.cuda()).loss.backward()
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpu.parameters())
+
+
+@needs_mamba_ssm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ssd_kernels_match_pytorch(dtype):
+    """mamba-ssm's Mamba-2 kernels (mamba_chunk_scan_combined from a zero and from a given state,
+    selective_state_update for one token) against the PyTorch SSD."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, L, h, p, groups, n = 2, 300, 8, 16, 2, 32
+    x = torch.randn(b, L, h, p, device="cuda", generator=g).to(dtype)
+    dt = torch.nn.functional.softplus(torch.randn(b, L, h, device="cuda", generator=g) - 2)
+    A = -torch.exp(torch.randn(h, device="cuda", generator=g))
+    B, C = (torch.randn(b, L, groups, n, device="cuda", generator=g).to(dtype) for _ in range(2))
+    D = torch.randn(h, device="cuda", generator=g)
+    h0 = torch.randn(b, h, p, n, device="cuda", generator=g)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    for state in (None, h0):
+        y_k, last_k = ssm_samba.ssd_scan(x, dt, A, B, C, D, state, chunk_size=64)
+        y_p, last_p = ssm_samba.ssd_scan_pytorch(x, dt, A, B, C, D, state, chunk_size=64)
+        assert (y_k.float() - y_p.float()).abs().max() <= tol * max(1, y_p.abs().max().item())
+        assert (last_k - last_p).abs().max() <= tol * max(1, last_p.abs().max().item())
+    y1_k, h1_k = ssm_samba.ssd_scan(x[:, :1], dt[:, :1], A, B[:, :1], C[:, :1], D, h0)
+    y1_p, h1_p = ssm_samba.ssd_scan_pytorch(x[:, :1], dt[:, :1], A, B[:, :1], C[:, :1], D, h0)
+    assert (y1_k.float() - y1_p.float()).abs().max() <= tol * max(1, y1_p.abs().max().item())
+    assert (h1_k - h1_p).abs().max() <= tol * max(1, h1_p.abs().max().item())
+
+
+@pytest.mark.parametrize("layout", ["megatron", "samba2"])
+def test_mamba2_layouts_on_cuda_match_the_cpu(layout):
+    from test_mamba2 import tiny_mamba2
+
+    model = tiny_mamba2(layout, seed=7)
+    ids = torch.randint(3, 97, (2, 40))
+    with torch.no_grad():
+        cpu = model(ids).logits
+        cuda = model.cuda()(ids.cuda()).logits.cpu()
+    assert (cuda - cpu).abs().max() <= 1e-3 * cpu.abs().max()
+    assert torch.equal(_greedy(model, ids.cuda()[:, :10], 20).cpu(), _greedy(model.cpu(), ids[:, :10], 20))

@@ -1061,6 +1061,9 @@ def hub_metadata(license: str = "unknown", base_model: str | None = None, extra_
 
 def architecture(config: SambaConfig) -> str:
     """What the layout is, in words, for a model card."""
+    if config.model_type != "samba":
+        return ("SambaY (Phi-4-mini-flash-reasoning's architecture): a Samba self-decoder, then a YOCO cross-decoder "
+                "with Gated Memory Units")
     if "mlp" in config.layer_types:
         mixers = "Mamba-2" if config.mamba_version == 2 else "Mamba"
         return (f"a hybrid of {mixers}, attention and MLP blocks of one sub-layer each (pattern "
