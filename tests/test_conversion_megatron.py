@@ -247,3 +247,12 @@ def test_the_sentencepiece_model_becomes_a_tokenizer_that_encodes_as_megatron(tm
     config = SambaForCausalLM.config_class.from_pretrained(tmp_path / "out")
     assert config.eos_token_id == sp.eos_id() == tokenizer.eos_token_id
     assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == sp.eos_id()
+
+
+def test_a_config_is_refused_and_the_origin_of_the_layout_is_said(release, tmp_path, capsys):
+    folder, _ = release
+    one_line_error(capsys, ["convert", "megatron", str(folder), str(tmp_path / "out"), "--config", "Samba_421M"],
+                   "--config does not apply to megatron")
+    assert not (tmp_path / "out").exists()
+    assert main(["convert", "megatron", str(folder), str(tmp_path / "out"), "--no-verify"]) == 0
+    assert "config: from the checkpoint's blocks, shapes and args" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from samba_hf.training import LORA_TARGET_MODULES, lora_config
 from conftest import randomize_norms, tiny_config
 from megatron_reference import megatron_logits, nemotron_h_logits, random_megatron_state, tiny_geometry
 from test_generation import gen, no_cache_greedy
+from test_kernel_dispatch import fake_causal_conv1d_fn, fake_causal_conv1d_update
 
 TOL = 1e-4
 MAMBA2 = dict(mamba_version=2, mamba_d_state=8, mamba2_head_dim=8, mamba2_n_groups=2, mamba2_chunk_size=8)
@@ -298,6 +299,21 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert grads[0]["model.layers.0.mamba.A_log"].abs().sum() > 0 and grads[0]["model.layers.0.mamba.dt_bias"].abs().sum() > 0
 
 
+def test_trainer_lowers_the_loss_on_padded_batches(tmp_path):
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
+    from test_trainer import arguments, examples, tokenizer
+
+    model = tiny_mamba2("megatron", seed=8).train()
+    data = examples(16) * 4  # the same 16 sequences, seen several times: the loss must fall
+    collator = DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=12, learning_rate=3e-3), train_dataset=data,
+                      data_collator=collator)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
 @pytest.mark.parametrize("target", ["in_proj", "out_proj", "q_proj", "o_proj", "up_proj", "down_proj"])
 def test_lora_on_each_projection_changes_prefill_and_cached_decoding(target):
     from peft import get_peft_model
@@ -319,7 +335,8 @@ def test_lora_on_each_projection_changes_prefill_and_cached_decoding(target):
 
 
 def test_ssd_kernels_are_called_with_mamba_ssm_layouts(monkeypatch):
-    """The CUDA dispatch, on CPU, with stand-ins that follow mamba-ssm's calling conventions: the chunked scan
+    """The CUDA dispatch, on CPU, with stand-ins that follow mamba-ssm's calling conventions (and causal-conv1d's,
+    over the x, B, C channels of the conv): the chunked scan
     (x (b, l, h, p), dt (b, l, h), A (h,), B/C (b, l, g, n), initial_states (b, h, p, n)) and the one-token state
     update (per-channel dt, A, D repeated over head_dim, state updated in place)."""
     calls = {"chunk": 0, "step": 0}
@@ -345,7 +362,7 @@ def test_ssd_kernels_are_called_with_mamba_ssm_layouts(monkeypatch):
     with torch.no_grad():
         reference = model(ids).logits
         monkeypatch.setattr(ssm_samba, "_SSD_KERNELS", (chunk_scan, state_update))
-        monkeypatch.setattr(ssm_samba, "_CONV_KERNELS", (None, None))
+        monkeypatch.setattr(ssm_samba, "_CONV_KERNELS", (fake_causal_conv1d_fn, fake_causal_conv1d_update))
         monkeypatch.setattr(ssm_samba, "_kernel_device", lambda tensor: True)
         full = model(ids).logits
         out = model(ids[:, :12], use_cache=True)

@@ -161,9 +161,14 @@ def convert(
     sources = (src,) if tokenizer is None else (src, tokenizer)
     check_output(out, force, sources)  # said first (atomic_folder checks again right before it writes)
     cleaned = clean_stale(out)
+    if source == "megatron" and config is not None:
+        raise ConversionError("--config does not apply to megatron: the layout is read from the checkpoint itself "
+                              "(its blocks, shapes and args); leave --config out.")
     checkpoint = megatron.MegatronCheckpoint(src) if source == "megatron" else Checkpoint(src)
     samba_config, origin = resolve_config(config), "from the source's config.json"
-    if source == "lit-gpt":
+    if source == "megatron":
+        origin = "from the checkpoint's blocks, shapes and args"
+    elif source == "lit-gpt":
         samba_config, origin = lit_gpt.choose_config(checkpoint, samba_config, force_config)
     elif config is not None:
         origin = "as given by --config"

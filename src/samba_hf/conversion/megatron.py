@@ -312,9 +312,7 @@ def megatron_shapes(config: SambaConfig, fused_norms: bool = False) -> dict[str,
 
 def plan(checkpoint: MegatronCheckpoint, config: SambaConfig | None = None):
     """Check the checkpoint in full, then return (config, {samba-hf name: producer})."""
-    if config is not None:
-        raise ConversionError("--config does not apply to megatron: the layout is read from the checkpoint itself.")
-    config = config_from_checkpoint(checkpoint)
+    config = config_from_checkpoint(checkpoint)  # (convert refuses a --config for this source)
     fused = any(name.endswith("mixer.in_proj.layer_norm_weight") for name in checkpoint.keys())
     check_layout(checkpoint, megatron_shapes(config, fused), "Megatron-LM Mamba", header=(
         f"{checkpoint.path} does not match the layout its blocks and args imply ({config.hybrid_pattern}):"),
