@@ -209,6 +209,11 @@ def test_greedy_and_sampling_equal_recomputation(model, prompt):
     assert torch.equal(cached, gen(model, prompt, do_sample=True, top_k=5, use_cache=False))
 
 
+def test_static_cache_equals_recomputation(model, prompt):
+    assert torch.equal(gen(model, prompt, do_sample=False, cache_implementation="static"),
+                       no_cache_greedy(model, prompt, 30))
+
+
 def test_beam_search_reorders_the_mamba2_states(model, prompt):
     cached = gen(model, prompt, num_beams=3, num_return_sequences=2, output_scores=True, return_dict_in_generate=True)
     uncached = gen(model, prompt, num_beams=3, num_return_sequences=2, output_scores=True,
