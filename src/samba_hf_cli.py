@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--tokenizer", default=None,
                       help="a SentencePiece .model or a tokenizer folder (default: the source folder's)")
     conv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                      help="dtype of the written weights (default: the source's); Mamba A_log and D stay float32")
+                      help="dtype of the written weights (default: the source's); Mamba A_log and D (Mamba-2: and "
+                           "dt_bias) stay float32")
     conv.add_argument("--max-shard-size", default="5GB")
     conv.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                       help="compare logits with a reference forward of the source (default: on up to 1B parameters)")

@@ -108,7 +108,8 @@ def test_the_8b_shapes_give_the_presets(tmp_path):
         for field in ("layer_types", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "mamba_d_state", "mamba2_head_dim", "mamba2_n_groups",
                       "mamba_expand", "mlp_gated", "mlp_hidden_act", "use_rope", "tie_word_embeddings",
-                      "max_position_embeddings"):
+                      "max_position_embeddings", "rms_norm_eps", "mamba_d_conv", "hidden_act", "mamba2_chunk_size",
+                      "mamba_version"):
             assert getattr(config, field) == getattr(expected, field), (preset, field)
         assert len(tensors) == len(checkpoint._shapes) + 2 * pattern.count("*")  # q, k, v from one linear_qkv
 
@@ -256,3 +257,43 @@ def test_a_config_is_refused_and_the_origin_of_the_layout_is_said(release, tmp_p
     assert not (tmp_path / "out").exists()
     assert main(["convert", "megatron", str(folder), str(tmp_path / "out"), "--no-verify"]) == 0
     assert "config: from the checkpoint's blocks, shapes and args" in capsys.readouterr().err
+
+
+def test_export_force_never_replaces_a_checkpoint_it_did_not_write(release, tmp_path, capsys):
+    folder, _ = release
+    convert("megatron", folder, tmp_path / "hf", progress=False)
+    original = megatron.find_checkpoint(folder)
+    before = original.read_bytes()
+    one_line_error(capsys, ["export", "megatron", str(tmp_path / "hf"), str(original), "--force"],
+                   "not a checkpoint that samba-hf export wrote")
+    assert original.read_bytes() == before
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (dict(mlp_hidden_act="silu"), "MLP activation is 'silu'"),
+    (dict(hidden_act="gelu", mlp_hidden_act="gelu"), "Mamba activation is 'gelu'"),
+    (dict(rms_norm_eps=1e-6), "rms_norm_eps is 1e-06"),
+])
+def test_export_refuses_what_megatron_would_compute_differently(tmp_path, capsys, change, fragment):
+    from test_mamba2 import tiny_mamba2
+
+    tiny_mamba2("megatron", **change).save_pretrained(tmp_path / "hf")
+    one_line_error(capsys, ["export", "megatron", str(tmp_path / "hf"), str(tmp_path / "m.pt")], fragment)
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_a_torch_dist_checkpoint_is_named(tmp_path, capsys):
+    (tmp_path / "ckpt" / "iter_0001000").mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("1000")
+    (tmp_path / "ckpt" / "iter_0001000" / ".metadata").write_bytes(b"")
+    (tmp_path / "ckpt" / "iter_0001000" / "__0_0.distcp").write_bytes(b"")
+    one_line_error(capsys, ["convert", "megatron", str(tmp_path / "ckpt"), str(tmp_path / "out")],
+                   "torch_dist", "legacy torch format")
+
+
+def test_damaged_args_are_one_error(tmp_path, capsys):
+    state = random_megatron_state(PATTERN, GEOMETRY, seed=7)
+    save_megatron_checkpoint(tmp_path / "src", state, release_args(hybrid_override_pattern=None,
+                                                                   hybrid_attention_ratio="lots"))
+    one_line_error(capsys, ["convert", "megatron", str(tmp_path / "src"), str(tmp_path / "out")],
+                   "args.hybrid_attention_ratio is 'lots'")

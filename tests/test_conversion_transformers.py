@@ -435,7 +435,7 @@ def test_cli_export_of_a_lit_gpt_conversion(tmp_path, capsys):
     assert main(["export", "lit-gpt", str(folder), str(file)]) == 0
     assert f"samba-hf: wrote {file}" in capsys.readouterr().err
     exported = torch.load(file, weights_only=True)
-    assert list(exported) == ["model"]
+    assert list(exported) == ["model", "samba_hf_export"]  # the state dict, and the mark that --force looks for
     model = exported["model"]
     assert all(name.startswith("transformer.") or name == "lm_head.weight" for name in model)
     assert any(name.startswith("transformer.") for name in model)

@@ -161,7 +161,7 @@ def megatron_model(state, pattern, geometry):
     config, tensors = megatron.plan(checkpoint)
     config.mamba2_chunk_size = geometry["mamba_chunk_size"]
     model = SambaForCausalLM(config).eval()
-    model.load_state_dict({name: produce() for name, produce in tensors.items()}, strict=False)
+    model.load_state_dict({name: produce() for name, produce in tensors.items()}, strict=True)
     return model
 
 
@@ -350,6 +350,7 @@ def test_ssd_kernels_are_called_with_mamba_ssm_layouts(monkeypatch):
                    dt_softplus=False, return_final_states=False):
         assert x.ndim == 4 and dt.shape == x.shape[:3] and A.shape == (x.shape[2],) and B.shape[:2] == x.shape[:2]
         assert z is None and dt_bias is None and not dt_softplus and return_final_states
+        assert dt.dtype == torch.float32  # never rounded to the model's dtype
         calls["chunk"] += 1
         h0 = torch.zeros(*x.shape[:1], *x.shape[2:], B.shape[-1]) if initial_states is None else initial_states
         y, last = float64_ssd(x, dt, A, B, C, D, h0)
@@ -357,6 +358,7 @@ def test_ssd_kernels_are_called_with_mamba_ssm_layouts(monkeypatch):
 
     def state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
         assert dt.shape == x.shape and A.shape == state.shape[1:] and D.shape == x.shape[1:] and not dt_softplus
+        assert dt.dtype == torch.float32
         calls["step"] += 1
         y, last = float64_ssd(x[:, None], dt[:, None, :, 0], A[:, 0, 0], B[:, None], C[:, None], D[:, 0], state)
         state.copy_(last)
@@ -373,7 +375,11 @@ def test_ssd_kernels_are_called_with_mamba_ssm_layouts(monkeypatch):
         out = model(ids[:, :12], use_cache=True)
         steps = [out.logits] + [model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits
                                 for t in range(12, 20)]
-    assert calls == {"chunk": 3 + 3, "step": 3 * 8}  # 3 Mamba-2 layers: two prefills, then 8 one-token steps
+        # bf16 inputs: dt reaches both kernels in float32 (asserted in the stand-ins)
+        x, dt, A, B, C, D, h0 = ssd_inputs()
+        ssm_samba.ssd_scan(x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), D, h0)
+        ssm_samba.ssd_scan(x[:, :1].bfloat16(), dt[:, :1], A, B[:, :1].bfloat16(), C[:, :1].bfloat16(), D, h0)
+    assert calls == {"chunk": 3 + 3 + 1, "step": 3 * 8 + 1}  # 3 Mamba-2 layers: two prefills, 8 one-token steps
     assert (full - reference).abs().max() <= TOL * reference.abs().max()
     assert (torch.cat(steps, dim=1) - reference).abs().max() <= TOL * reference.abs().max()
 

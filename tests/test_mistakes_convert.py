@@ -136,7 +136,7 @@ def test_export_force_never_replaces_what_it_did_not_write(tmp_path, capsys):
     folder = exportable_folder(tmp_path)
     notes = tmp_path / "notes.pth"
     notes.write_text("my notes")
-    one_line_error(capsys, ["export", "lit-gpt", str(folder), str(notes), "--force"], "not a PyTorch checkpoint")
+    one_line_error(capsys, ["export", "lit-gpt", str(folder), str(notes), "--force"], "not a checkpoint that samba-hf export wrote")
     assert notes.read_text() == "my notes"
     one_line_error(capsys, ["export", "lit-gpt", str(folder), str(folder / "model.safetensors"), "--force"],
                    "a file of the source folder")

@@ -292,7 +292,7 @@ def export(args) -> int:
         result = run(args.src, args.out, force=args.force)
     except ConversionError as error:
         raise UserError(str(error))
-    for line in result["cleaned"]:
+    for line in result["cleaned"] + result.get("notes", []):
         print(f"samba-hf: {line}", file=sys.stderr)
     if args.target == "megatron":
         tracker = f"; wrote {result['tracker']}" if result["tracker"] else ""

@@ -184,7 +184,8 @@ def ssd_scan(
         if x.shape[1] == 1 and h0 is not None and state_update_fn is not None:
             return _ssd_step_with_kernel(state_update_fn, x, dt, A, B, C, D, h0)
         if chunk_fn is not None:
-            y, last = chunk_fn(x, dt.to(x.dtype), A.float(), B.to(x.dtype), C.to(x.dtype), chunk_size,
+            # dt stays float32 (the kernels read it so; a bf16 copy would round every step)
+            y, last = chunk_fn(x, dt.float(), A.float(), B.to(x.dtype), C.to(x.dtype), chunk_size,
                                D=None if D is None else D.float(), initial_states=None if h0 is None else h0.float(),
                                dt_softplus=False, return_final_states=True)
             return y.to(x.dtype), last.float()
@@ -239,7 +240,7 @@ def _ssd_step_with_kernel(state_update_fn, x, dt, A, B, C, D, h0):
     y = state_update_fn(
         state,
         x[:, 0],
-        dt[:, 0, :, None].expand(-1, heads, head_dim).to(x.dtype),
+        dt[:, 0, :, None].expand(-1, heads, head_dim).float(),
         A.float()[:, None, None].expand(heads, head_dim, d_state),
         B[:, 0].to(x.dtype),
         C[:, 0].to(x.dtype),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .. import __version__
 from ..configuration_samba import SambaConfig
 from . import fla, lit_gpt, megatron, transformers_models
 from .checkpoint import Checkpoint, ConversionError
@@ -149,6 +150,9 @@ def convert(
     if source not in PLANS:
         raise ConversionError(f"unknown source {source!r}; choose one of: {', '.join(PLANS)}.")
     src, out = Path(src), Path(out)
+    if source == "megatron" and config is not None:
+        raise ConversionError("--config does not apply to megatron: the layout is read from the checkpoint itself "
+                              "(its blocks, shapes and args); leave --config out.")
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ConversionError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
@@ -161,9 +165,6 @@ def convert(
     sources = (src,) if tokenizer is None else (src, tokenizer)
     check_output(out, force, sources)  # said first (atomic_folder checks again right before it writes)
     cleaned = clean_stale(out)
-    if source == "megatron" and config is not None:
-        raise ConversionError("--config does not apply to megatron: the layout is read from the checkpoint itself "
-                              "(its blocks, shapes and args); leave --config out.")
     checkpoint = megatron.MegatronCheckpoint(src) if source == "megatron" else Checkpoint(src)
     samba_config, origin = resolve_config(config), "from the source's config.json"
     if source == "megatron":
@@ -229,7 +230,7 @@ def export_lit_gpt(src: str | os.PathLike, out: str | os.PathLike, force: bool =
     if model.config.mamba_version != 1 or "mlp" in model.config.layer_types:
         raise ConversionError(f"{src} holds a Mamba-2 layout: the official Samba code has no layout for it (export "
                               "megatron writes Megatron-LM's).")
-    write_checkpoint({"model": lit_gpt.to_official(model.state_dict(), model.config)}, out)
+    write_checkpoint({"model": lit_gpt.to_official(model.state_dict(), model.config), EXPORT_MARKER: __version__}, out)
     return {"out": out, "official_name": lit_gpt.official_name_of(model.config), "cleaned": cleaned}
 
 
@@ -244,16 +245,18 @@ def export_megatron(src: str | os.PathLike, out: str | os.PathLike, force: bool 
     megatron.check_exportable(model.config, src)
     state = megatron.to_megatron(model.state_dict(), model.config)
     write_checkpoint({"model": state, "args": megatron.megatron_args(model.config), "checkpoint_version": 3.0,
-                      "iteration": 0}, out)
-    tracker = None
+                      "iteration": 0, EXPORT_MARKER: __version__}, out)
+    tracker, notes = None, []
     if out.parent.name == "mp_rank_00" and out.parent.parent.name == "release":
-        tracker = out.parents[2] / megatron.TRACKER
-        if not tracker.exists():
-            with os_errors(tracker):
-                tracker.write_text("release")
-        else:
-            tracker = None
-    return {"out": out, "tracker": tracker, "cleaned": cleaned}
+        path = out.parents[2] / megatron.TRACKER
+        if not path.exists():
+            with os_errors(path):
+                path.write_text("release")
+            tracker = path
+        elif path.read_text(errors="replace").strip() != "release":
+            notes.append(f"{path} names another iteration, so Megatron will not load this export from "
+                         f"{out.parents[2]} unless it says 'release' (it was left as it is)")
+    return {"out": out, "tracker": tracker, "notes": notes, "cleaned": cleaned}
 
 
 def load_for_export(src: Path, out: Path, force: bool):
@@ -288,8 +291,14 @@ def write_checkpoint(checkpoint: dict, out: Path):
         raise
 
 
+# A top-level key of every checkpoint file export writes: `--force` replaces only files that carry it (never a training
+# checkpoint of the official code or NVIDIA's release, which are PyTorch zip files too).
+EXPORT_MARKER = "samba_hf_export"
+
+
 def check_export_target(out: Path, src: Path, force: bool):
-    """OUT is a new file, or (with --force) an earlier export: a PyTorch zip checkpoint that is not a file of SRC."""
+    """OUT is a new file, or (with --force) an earlier export (a checkpoint that carries `EXPORT_MARKER`), not a file
+    of SRC."""
     if out.is_dir():
         raise ConversionError(f"{out} is a folder; give the file to write, e.g. {out / 'samba.pth'}.")
     if not out.exists():
@@ -298,18 +307,20 @@ def check_export_target(out: Path, src: Path, force: bool):
         raise ConversionError(f"{out} exists; choose a new file name, or pass --force to replace it.")
     if out.resolve().parent == src.resolve():
         raise ConversionError(f"{out} is a file of the source folder {src}; write the export elsewhere.")
-    if not is_torch_checkpoint(out):
+    if not is_our_export(out):
         raise ConversionError(
-            f"{out} is not a PyTorch checkpoint that samba-hf export writes; --force only replaces an earlier "
-            "export. Choose a new file name."
+            f"{out} is not a checkpoint that samba-hf export wrote; --force only replaces an earlier export, never "
+            "another checkpoint. Choose a new file name."
         )
 
 
-def is_torch_checkpoint(path: Path) -> bool:
-    """A torch.save zip archive (what export writes), without reading its tensors."""
+def is_our_export(path: Path) -> bool:
+    """A torch.save zip archive whose pickled structure names `EXPORT_MARKER`: read as bytes, nothing unpickled, no
+    tensor read."""
     try:
         with zipfile.ZipFile(path) as archive:
-            return any(name.endswith("/data.pkl") for name in archive.namelist())
+            pickles = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+            return len(pickles) == 1 and EXPORT_MARKER.encode() in archive.read(pickles[0])
     except (OSError, zipfile.BadZipFile):
         return False
 

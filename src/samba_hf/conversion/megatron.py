@@ -92,6 +92,12 @@ def find_checkpoint(src: Path) -> Path:
             "tools/checkpoint/hybrid_conversion.py --target-tp-size 1 --target-pp-size 1."
         )
     path = src / name / "mp_rank_00" / "model_optim_rng.pt"
+    if not path.is_file() and ((src / name / ".metadata").is_file() or any((src / name).glob("*.distcp"))):
+        raise ConversionError(
+            f"{src / name} is a torch_dist (distributed) checkpoint; samba-hf reads Megatron's legacy torch format, "
+            "as released. Save it in that format first (Megatron's --ckpt-format torch, or "
+            "tools/checkpoint/convert.py)."
+        )
     if not path.is_file():
         raise ConversionError(f"{src} has no {path.relative_to(src)}: the download is incomplete.")
     return path
@@ -104,11 +110,18 @@ def find_tokenizer(src: Path) -> Path | None:
     if src.is_file() and len(src.parents) > 2 and (src.parents[2] / TRACKER).is_file():
         folder = src.parents[2]
     models = sorted(folder.glob("*.model"))
-    return models[0] if len(models) == 1 else None
+    if len(models) > 1:
+        raise ConversionError(f"{folder} holds {len(models)} SentencePiece files ({', '.join(m.name for m in models)}): "
+                              "pass the model's own with --tokenizer.")
+    return models[0] if models else None
 
 
 def load_checkpoint_file(path: Path) -> dict:
     """torch.load with the weights-only unpickler, memory-mapped, with only `ALLOWED_GLOBALS` as stand-ins."""
+    if not hasattr(torch.serialization, "get_unsafe_globals_in_checkpoint"):
+        raise ConversionError(f"reading a Megatron checkpoint without running its pickled code needs a torch with "
+                              f"torch.serialization.get_unsafe_globals_in_checkpoint and safe_globals (tested with "
+                              f"2.13); this is torch {torch.__version__}: upgrade it.")
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as error:
@@ -213,6 +226,14 @@ def allocate_layers(num_layers: int, attention_ratio: float, mlp_ratio: float) -
 def check_args(checkpoint: MegatronCheckpoint, pattern: str):
     """What the training arguments say must agree with the blocks, and describe a model samba-hf builds."""
     args = checkpoint.args
+    kinds = {"num_layers": int, "hybrid_attention_ratio": float, "hybrid_mlp_ratio": float, "norm_epsilon": float,
+             "hybrid_override_pattern": str, "num_attention_heads": int, "num_query_groups": int, "kv_channels": int,
+             "mamba_num_groups": int, "mamba_state_dim": int, "max_position_embeddings": int, "seq_length": int}
+    for name, kind in kinds.items():
+        value = args.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind)):
+            raise ConversionError(f"{checkpoint.path}: args.{name} is {value!r}, not a{'n' if kind is int else ''} "
+                                  f"{kind.__name__}: the checkpoint's args are damaged. Nothing was written.")
     problems = []
     if args.get("num_layers") not in (None, len(pattern)):
         problems.append(f"args.num_layers is {args['num_layers']} but the file holds {len(pattern)} blocks")
@@ -372,6 +393,13 @@ def check_exportable(config: SambaConfig, src) -> None:
         problems.append("its MLPs are gated")
     if config.mamba_proj_bias or config.attention_bias or not config.mamba_conv_bias:
         problems.append("its biases differ from Megatron's (no linear biases, a conv bias)")
+    if "mlp" in config.layer_types and (config.mlp_hidden_act or config.hidden_act) not in ("gelu", "relu2"):
+        problems.append(f"its MLP activation is {config.mlp_hidden_act or config.hidden_act!r} (Megatron's: gelu, "
+                        "or relu2 with --squared-relu)")
+    if "linear_attention" in config.layer_types and config.hidden_act != "silu":
+        problems.append(f"its Mamba activation is {config.hidden_act!r} (Megatron's: silu)")
+    if not math.isclose(config.rms_norm_eps, 1e-5):
+        problems.append(f"its rms_norm_eps is {config.rms_norm_eps} (Megatron's Mamba-2 gated norm uses 1e-5)")
     if problems:
         raise ConversionError(f"{src} cannot be written in Megatron's Mamba layout: " + "; ".join(problems) + ".")
 

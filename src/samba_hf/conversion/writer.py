@@ -41,8 +41,9 @@ def parse_size(size: str | int) -> int:
 
 
 def keeps_float32(name: str) -> bool:
-    """Mamba's A_log and D stay float32 in half-precision outputs (as `_keep_in_fp32_modules_strict` loads them)."""
-    return name.endswith((".A_log", ".mamba.D"))
+    """Mamba's A_log and D (and Mamba-2's dt_bias) stay float32 in half-precision outputs (as
+    `_keep_in_fp32_modules_strict` loads them)."""
+    return name.endswith((".A_log", ".mamba.D", ".dt_bias"))
 
 
 def empty_model(config: SambaConfig | SambaYConfig) -> SambaForCausalLM:
