@@ -7,8 +7,9 @@ One forward, as data sees it:
               -> norm -> lm_head (last `logits_to_keep` positions only)
 where the mixer is a `SambaMambaMixer` ("linear_attention" layers; a `SambaMamba2Mixer` with `mamba_version=2`) or a
 `SambaAttention` ("sliding_attention" / "full_attention" layers). Layouts with "mlp" layers (NVIDIA's
-Mamba-2-Hybrid, Megatron's one-sub-layer blocks) run x += mixer(input_layernorm(x)) or x += mlp(input_layernorm(x)). Decoding state lives in transformers' own hybrid `DynamicCache(config=...)`: one conv
-window and one SSM state per Mamba layer, at most `sliding_window - 1` key/value positions per sliding layer.
+Mamba-2-Hybrid, Megatron's one-sub-layer blocks) run x += mixer(input_layernorm(x)) or x += mlp(input_layernorm(x)).
+Decoding state lives in transformers' own hybrid `DynamicCache(config=...)`: one conv window and one SSM state per
+Mamba layer, at most `sliding_window - 1` key/value positions per sliding layer.
 
 This file is also the remote code of a saved model: it imports only torch, transformers and its siblings.
 """
