@@ -2,7 +2,9 @@
 torch path: what runs without mamba-ssm) and a Llama of the same size, on this machine.
 
     python benchmarks/mamba2_hybrid.py                                   # CPU, float32, prefill 1K-16K, decode 1K-64K
-    python benchmarks/mamba2_hybrid.py --prefill 1024,4096,16384,32768 --out benchmarks/results/mamba2_hybrid.json
+    python benchmarks/mamba2_hybrid.py --prefill 1024,4096,8192,16384 --out benchmarks/results/mamba2_hybrid.json
+    python benchmarks/mamba2_hybrid.py --models samba-hf,Llama --prefill 32768 --decode "" --profile-length 0 \
+        --out benchmarks/results/mamba2_hybrid_32k.json            # NemotronH's torch path needs ~30 GiB at 32K
 
 One model is in memory at a time. The slice is blocks 7-13 of the 8B's pattern, "M-M*-M-" (3 Mamba-2, 1 attention, 3 MLP blocks: 773M parameters at
 hidden 4096, Mamba-2 heads 128 x 64, 8 groups, state 128; GQA 32/8 heads of 128; GELU MLP 16384), with a 32K
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import time
 from datetime import date
 
@@ -112,17 +115,20 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--profile-length", type=int, default=4096)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"a subset of {','.join(MODELS)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     result = {
         "command": "python benchmarks/mamba2_hybrid.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+            f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(args).items() if v is not None),
         "date": date.today().isoformat(), "machine": machine(), "torch": torch.__version__, "pattern": PATTERN,
         "dtype": "float32", "parameters_without_embeddings": {}, "prefill_seconds": {}, "prefill_peak_gib": {},
         "decode_step_seconds": {}, "cache_bytes": {},
     }
-    for name in MODELS:  # one model in memory at a time (three at 16K tokens do not fit in 24 GB)
+    if set(args.models.split(",")) - set(MODELS):
+        parser.error(f"--models takes names from {','.join(MODELS)}, got {args.models!r}")
+    for name in args.models.split(","):  # one model in memory at a time (three at 16K tokens do not fit in 24 GB)
         model = build(name, PATTERN, args.vocab)
         result["parameters_without_embeddings"][name] = parameters(model)
         for length in map(int, args.prefill.split(",")):
@@ -138,7 +144,7 @@ def main():
             result["prefill_peak_gib"].setdefault(length, {})[name] = peak
             print(f"{name:>9} prefill {length:>6}: {best:8.2f} s, peak RSS {peak:5.1f} GiB", flush=True)
         token = torch.randint(0, args.vocab, (1, 1))
-        for context in map(int, args.decode.split(",")):
+        for context in [int(c) for c in args.decode.split(",") if c]:
             cache, best = filled_cache(name, model, context), float("inf")
             for _ in range(args.steps):
                 start = time.perf_counter()
@@ -149,7 +155,7 @@ def main():
             print(f"{name:>9} decode at {context:>6}: {1000 * best:7.1f} ms, cache {cache_bytes(cache) / 2**20:7.1f} MiB",
                   flush=True)
             del cache
-        if name == "samba-hf":
+        if name == "samba-hf" and args.profile_length:
             result["samba_hf_prefill_profile"] = where_the_time_goes(model, args.profile_length)
             for key, share in result["samba_hf_prefill_profile"]:
                 print(f"  samba-hf prefill {args.profile_length}: {100 * share:5.1f}% {key}")
