@@ -20,6 +20,7 @@ from megatron_reference import (
     save_megatron_checkpoint,
     tiny_geometry,
 )
+from test_mamba2 import in_memory_checkpoint
 from test_mistakes_convert import leftovers, one_line_error
 
 PATTERN = "M-M*-M"
@@ -89,20 +90,19 @@ def test_export_of_a_conversion_gives_the_release_back_tensor_for_tensor(release
     assert torch.equal(logits(tmp_path / "hf", ids), logits(tmp_path / "again", ids))
 
 
-def test_the_8b_shapes_give_the_presets(tmp_path):
+def test_the_8b_shapes_give_the_presets():
     """The released key set at full size (meta tensors: no memory) converts to the presets' configs."""
     geometry = dict(vocab_size=256000, hidden_size=4096, num_attention_heads=32, num_query_groups=8, kv_channels=128,
                     ffn_hidden_size=16384, mamba_num_heads=128, mamba_head_dim=64, mamba_num_groups=8,
                     mamba_state_dim=128, mamba_d_conv=4, norm_epsilon=1e-5, mamba_chunk_size=128)
     for preset, pattern in (("mamba2-hybrid-8b", SambaConfig.from_preset("mamba2-hybrid-8b").hybrid_pattern),
                             ("mamba2-8b", "M" * 56)):
-        checkpoint = megatron.MegatronCheckpoint.__new__(megatron.MegatronCheckpoint)
-        checkpoint.path = checkpoint.source = tmp_path
-        checkpoint._tensors, checkpoint._safetensors, checkpoint.hparams = {}, {}, {}
-        checkpoint._shapes = dict(released_shapes(pattern, geometry))
+        shapes = released_shapes(pattern, geometry)
         args = vars(megatron_args(pattern, geometry))  # the 2024 args: ratios, no Mamba-2 sizes
-        checkpoint.args = {**args, "hybrid_attention_ratio": 0.08 if "*" in pattern else 0.0,
-                           "hybrid_mlp_ratio": 0.5 if "-" in pattern else 0.0}
+        checkpoint = in_memory_checkpoint(
+            {name: torch.empty(shape, device="meta") for name, shape in shapes.items()},
+            {**args, "hybrid_attention_ratio": 0.08 if "*" in pattern else 0.0,
+             "hybrid_mlp_ratio": 0.5 if "-" in pattern else 0.0})
         config, tensors = megatron.plan(checkpoint)
         expected = SambaConfig.from_preset(preset)
         for field in ("layer_types", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -111,7 +111,7 @@ def test_the_8b_shapes_give_the_presets(tmp_path):
                       "max_position_embeddings", "rms_norm_eps", "mamba_d_conv", "hidden_act", "mamba2_chunk_size",
                       "mamba_version"):
             assert getattr(config, field) == getattr(expected, field), (preset, field)
-        assert len(tensors) == len(checkpoint._shapes) + 2 * pattern.count("*")  # q, k, v from one linear_qkv
+        assert len(tensors) == len(shapes) + 2 * pattern.count("*")  # q, k, v from one linear_qkv
 
 
 # ------------------------------------------------------------------------------------------ no pickled code runs

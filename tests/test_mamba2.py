@@ -17,7 +17,7 @@ from samba_hf.training import LORA_TARGET_MODULES, lora_config
 
 from conftest import randomize_norms, tiny_config
 from megatron_reference import megatron_logits, nemotron_h_logits, random_megatron_state, tiny_geometry
-from test_generation import gen, no_cache_greedy
+from test_generation import assert_left_padded_rows_equal_their_own_runs, gen, no_cache_greedy
 from test_kernel_dispatch import fake_causal_conv1d_fn, fake_causal_conv1d_update
 
 TOL = 1e-4
@@ -148,16 +148,23 @@ def test_config_reads_a_megatron_pattern_and_says_what_is_wrong():
         tiny_config(mamba_version=3)
 
 
-def megatron_model(state, pattern, geometry):
-    """A samba-hf model holding a Megatron state dict, through the converter's own mapping."""
+def in_memory_checkpoint(tensors: dict, args: dict) -> megatron.MegatronCheckpoint:
+    """A MegatronCheckpoint of these tensors (or meta tensors) and args, without a file."""
     checkpoint = megatron.MegatronCheckpoint.__new__(megatron.MegatronCheckpoint)
     checkpoint.path = checkpoint.source = "(in memory)"
-    checkpoint._tensors, checkpoint._safetensors, checkpoint.hparams = dict(state), {}, {}
-    checkpoint._shapes = {name: tuple(t.shape) for name, t in state.items()}
-    checkpoint.args = {"num_attention_heads": geometry["num_attention_heads"], "group_query_attention": True,
-                       "num_query_groups": geometry["num_query_groups"], "kv_channels": geometry["kv_channels"],
-                       "mamba_num_groups": geometry["mamba_num_groups"], "mamba_state_dim": geometry["mamba_state_dim"],
-                       "hybrid_override_pattern": pattern}
+    checkpoint._tensors, checkpoint._safetensors, checkpoint.hparams = dict(tensors), {}, {}
+    checkpoint._shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    checkpoint.args = args
+    return checkpoint
+
+
+def megatron_model(state, pattern, geometry):
+    """A samba-hf model holding a Megatron state dict, through the converter's own mapping."""
+    checkpoint = in_memory_checkpoint(state, {
+        "num_attention_heads": geometry["num_attention_heads"], "group_query_attention": True,
+        "num_query_groups": geometry["num_query_groups"], "kv_channels": geometry["kv_channels"],
+        "mamba_num_groups": geometry["mamba_num_groups"], "mamba_state_dim": geometry["mamba_state_dim"],
+        "hybrid_override_pattern": pattern})
     config, tensors = megatron.plan(checkpoint)
     config.mamba2_chunk_size = geometry["mamba_chunk_size"]
     model = SambaForCausalLM(config).eval()
@@ -223,15 +230,7 @@ def test_beam_search_reorders_the_mamba2_states(model, prompt):
 
 
 def test_left_padding_neither_feeds_nor_decays_the_state(model):
-    seqs = [torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (13, 4, 9)]
-    width = max(len(s) for s in seqs)
-    ids, mask = torch.zeros(len(seqs), width, dtype=torch.long), torch.zeros(len(seqs), width, dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        ids[row, width - len(seq) :], mask[row, width - len(seq) :] = seq, 1
-    batched = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
-    for row, seq in enumerate(seqs):
-        assert torch.equal(batched[row, width - len(seq) :], gen(model, seq[None], do_sample=False, max_new_tokens=20)[0])
+    assert_left_padded_rows_equal_their_own_runs(model, new_tokens=20)
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16])

@@ -24,7 +24,7 @@ from .. import __version__
 from ..configuration_samba import SambaConfig
 from . import fla, lit_gpt, megatron, transformers_models
 from .checkpoint import Checkpoint, ConversionError
-from .tokenizer import TOKENIZER_FILES, save_tokenizer
+from .tokenizer import TOKENIZER_FILES, check_fits, save_tokenizer
 from .verify import AUTO_VERIFY_MAX_PARAMS, verify
 from .writer import (
     DTYPES,
@@ -212,9 +212,7 @@ def megatron_tokenizer(path: Path, config: SambaConfig):
     if not (path.is_file() and path.suffix == ".model"):
         raise ConversionError(f"--tokenizer {path}: Megatron's tokenizer is a SentencePiece .model file.")
     tokenizer = tokenizer_from_sentencepiece(path)
-    if len(tokenizer) > config.vocab_size:
-        raise ConversionError(f"the tokenizer {path} has {len(tokenizer)} tokens but the model's vocabulary is "
-                              f"{config.vocab_size}: wrong tokenizer?")
+    check_fits(tokenizer, config.vocab_size)
     config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     return tokenizer

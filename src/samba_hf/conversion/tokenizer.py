@@ -32,12 +32,17 @@ def load_tokenizer(path: str | Path, add_bos: bool | None) -> PreTrainedTokenize
     raise ConversionError(f"--tokenizer {path}: give a SentencePiece tokenizer.model file or a tokenizer folder.")
 
 
-def save_tokenizer(path: str | Path, folder: Path, vocab_size: int, add_bos: bool | None):
-    tokenizer = load_tokenizer(path, add_bos)
+def check_fits(tokenizer: PreTrainedTokenizerBase, vocab_size: int):
+    """A tokenizer with more tokens than the model has embeddings is another model's."""
     if len(tokenizer) > vocab_size:
         raise ConversionError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab_size}: wrong tokenizer?"
         )
+
+
+def save_tokenizer(path: str | Path, folder: Path, vocab_size: int, add_bos: bool | None):
+    tokenizer = load_tokenizer(path, add_bos)
+    check_fits(tokenizer, vocab_size)
     ids = tokenizer("Samba").input_ids
     if add_bos is False and tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id:
         raise ConversionError(f"the tokenizer {path} still adds a BOS token; the model was trained without one.")
