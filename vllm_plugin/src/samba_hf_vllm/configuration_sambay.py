@@ -1,0 +1,1 @@
+../../../src/samba_hf/configuration_sambay.py

@@ -1,0 +1,1 @@
+../../../src/samba_hf/ssm_samba.py
