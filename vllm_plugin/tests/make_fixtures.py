@@ -1,0 +1,88 @@
+"""The plugin tests' inputs, made in samba-hf's own environment (transformers >= 5.23), where vLLM cannot be installed:
+
+    python vllm_plugin/tests/make_fixtures.py OUT      # then: SAMBA_VLLM_FIXTURES=OUT pytest vllm_plugin/tests
+
+OUT gets one folder per tiny model written by samba-hf (`save_pretrained`, as a user's folder) and `references.json`:
+per model, the folder, the prompts (token ids) and what samba-hf's `generate` gives for them greedily, with EOS not
+stopping it (as vLLM's `ignore_eos`): the tokens in float32, and in bfloat16 the tokens with the top-5 log-probs of
+every step. The embedded default model is referenced where the package ships it.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+import samba_hf
+from samba_hf import SambaConfig, SambaForCausalLM
+from samba_hf.cli import default_model_path
+
+NEW_TOKENS = 24
+TOP_LOGPROBS = 5
+
+
+def prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int]) -> dict:
+    """Greedy tokens and, per step, the top log-probs, from samba-hf's generate (cached decoding)."""
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
+        output_logits=True, return_dict_in_generate=True,
+    )
+    logprobs = []
+    for logits in out.logits:
+        top = torch.log_softmax(logits[0].float(), -1).topk(TOP_LOGPROBS)
+        logprobs.append({str(i): v for i, v in zip(top.indices.tolist(), top.values.tolist())})
+    return {"tokens": out.sequences[0, len(prompt) :].tolist(), "logprobs": logprobs}
+
+
+def references(folder: Path, lengths: list[int], seed: int) -> dict:
+    result = {"folder": str(folder.resolve())}
+    for dtype in ("float32", "bfloat16"):
+        model = SambaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+        result.setdefault("prompts", prompts(lengths, model.config.vocab_size, seed))
+        result[dtype] = [greedy(model, p) for p in result["prompts"]]
+    return result
+
+
+def mamba2_hybrid(folder: Path) -> None:
+    """A tiny Mamba-2-Hybrid as `samba-hf convert megatron` writes one: Mamba-2 (two groups), GELU MLP blocks and
+    NoPE full attention (head_dim 64, which vLLM's CPU attention supports), untied head; the default model's
+    tokenizer."""
+    torch.manual_seed(0)
+    config = SambaConfig(
+        vocab_size=4096, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, hybrid_override_pattern="M-M*-M-", mamba_version=2, mamba_d_state=16, mamba2_head_dim=32,
+        mamba2_n_groups=2, mamba2_chunk_size=16, use_rope=False, sliding_window=None, mlp_gated=False,
+        mlp_hidden_act="gelu", tie_word_embeddings=False, max_position_embeddings=4096, bos_token_id=1,
+        eos_token_id=2, pad_token_id=3,
+    )
+    model = SambaForCausalLM(config).eval()
+    with torch.no_grad():  # non-trivial norms and steps from 1e-3 to 1, so every part of the layers matters
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            if name.endswith("dt_bias"):
+                param.copy_(torch.linspace(-6.0, 0.5, param.numel()))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(folder)
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    refs = {"samba_hf_version": samba_hf.__version__ if hasattr(samba_hf, "__version__") else "main"}
+    refs["default"] = references(Path(default_model_path()), [300, 9, 120, 250, 40, 130], seed=0)
+    mamba2_hybrid(out / "mamba2-hybrid")
+    refs["mamba2-hybrid"] = references(out / "mamba2-hybrid", [70, 9, 33], seed=1)
+    (out / "references.json").write_text(json.dumps(refs))
+    print(f"wrote {out / 'references.json'}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
