@@ -79,7 +79,7 @@ def main(out: Path) -> None:
     refs = {"samba_hf_version": samba_hf.__version__ if hasattr(samba_hf, "__version__") else "main"}
     refs["default"] = references(Path(default_model_path()), [300, 9, 120, 250, 40, 130], seed=0)
     mamba2_hybrid(out / "mamba2-hybrid")
-    refs["mamba2-hybrid"] = references(out / "mamba2-hybrid", [70, 9, 33], seed=1)
+    refs["mamba2-hybrid"] = references(out / "mamba2-hybrid", [300, 9, 70, 33], seed=1)
     (out / "references.json").write_text(json.dumps(refs))
     print(f"wrote {out / 'references.json'}")
 

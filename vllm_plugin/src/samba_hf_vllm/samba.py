@@ -220,6 +220,61 @@ class SambaMLP(nn.Module):
         return self.down_proj(self.act_fn(up))[0]
 
 
+def complete_cpu_mamba2_prefix_caching() -> None:
+    """Give vLLM's CPU build the two pieces `MambaMixer2` needs to keep the state of a prompt longer than one block for
+    the prefix cache (without them it fails: "index 1 is out of bounds", then a Triton kernel called on CPU).
+
+    - vLLM 0.32's CPU SSD scan ignores `return_intermediate_states` and returns one state per sequence: wrapped, with
+      that flag it runs chunk by chunk, each from the state the previous one left, and returns every chunk-end state
+      (as the Triton kernel does).
+    - `store_prefill_checkpoint` is a Triton kernel only: on CPU it is done with tensor indexing.
+    Installed once per process, only on CPU. Without prefix-cache checkpoints both run as before, so other models
+    served beside this one only lose the failure.
+    """
+    from vllm.model_executor.layers.mamba import mamba_mixer2
+    from vllm.model_executor.layers.mamba.ops import ssd_combined
+
+    scan = ssd_combined._mamba_chunk_scan_combined_fwd
+    if getattr(scan, "keeps_chunk_states", False):
+        return
+
+    def scan_keeping_chunk_states(x, dt, A, B, C, chunk_size, out, *, return_intermediate_states=False,
+                                  initial_states=None, seq_idx=None, cu_seqlens=None, cu_chunk_seqlens=None,
+                                  last_chunk_indices=None, **rest):
+        if not return_intermediate_states:
+            return scan(x, dt, A, B, C, chunk_size, out, initial_states=initial_states, seq_idx=seq_idx,
+                        cu_seqlens=cu_seqlens, cu_chunk_seqlens=cu_chunk_seqlens,
+                        last_chunk_indices=last_chunk_indices, **rest)
+        bounds, owners = cu_chunk_seqlens.tolist(), seq_idx.tolist()  # chunk c: tokens bounds[c]:bounds[c+1]
+        one = torch.zeros(1, dtype=torch.int32)
+        states = []
+        for c, owner in enumerate(owners):
+            start, end = bounds[c], bounds[c + 1]
+            if c > 0 and owners[c - 1] == owner:
+                h0 = states[-1][None]
+            else:  # a sequence's first chunk: from its cached state, or zeros
+                h0 = None if initial_states is None else initial_states[owner : owner + 1]
+            length = torch.tensor([0, end - start], dtype=torch.int32)
+            states.append(scan(x[start:end], dt[start:end], A, B[start:end], C[start:end], chunk_size,
+                               out[start:end], initial_states=h0, seq_idx=one, cu_seqlens=length,
+                               cu_chunk_seqlens=length, last_chunk_indices=one, **rest)[0])
+        return torch.stack(states)  # (chunks, heads, head_dim, d_state)
+
+    def store_prefill_checkpoint(checkpoint, chunk_idx, x, conv_state, chunk_states, ssm_state, query_start_loc, *,
+                                 state_len):
+        # x (dim, tokens); conv_state (blocks, dim, >= state_len); chunk_states (chunks, ...); ssm_state (blocks, ...)
+        rows = zip(checkpoint.checkpoint_offsets.tolist(), checkpoint.state_indices.tolist(), chunk_idx.tolist(),
+                   query_start_loc.tolist())
+        for offset, block, chunk, start in rows:
+            if offset > 0:  # the row's state `offset` tokens into its prompt, kept in `block`
+                conv_state[block, :, :state_len] = x[:, start + offset - state_len : start + offset]
+                ssm_state[block] = chunk_states[chunk].to(ssm_state.dtype)
+
+    scan_keeping_chunk_states.keeps_chunk_states = True
+    ssd_combined._mamba_chunk_scan_combined_fwd = scan_keeping_chunk_states
+    mamba_mixer2.store_prefill_checkpoint = store_prefill_checkpoint
+
+
 def mamba_mixer(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
     """The layer's Mamba mixer, Mamba-1 (Samba) or Mamba-2 (the Mamba-2-Hybrid), as vLLM builds them."""
     common = dict(
@@ -305,6 +360,8 @@ class SambaForCausalLM(nn.Module, HasInnerState, IsHybrid):
         super().__init__()
         config = vllm_config.model_config.hf_config
         check_tensor_parallel(config, vllm_config.parallel_config.tensor_parallel_size)
+        if config.mamba_version == 2 and current_platform.is_cpu():
+            complete_cpu_mamba2_prefix_caching()
         self.config = config
         self.model = SambaModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
