@@ -13,11 +13,15 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import samba_hf
 from samba_hf import SambaConfig, SambaForCausalLM
 from samba_hf.cli import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from sambay_reference import random_weights  # noqa: E402  (samba-hf's tests: the release's tensor names)
 
 NEW_TOKENS = 24
 TOP_LOGPROBS = 5
@@ -45,7 +49,7 @@ def greedy(model, prompt: list[int]) -> dict:
 def references(folder: Path, lengths: list[int], seed: int) -> dict:
     result = {"folder": str(folder.resolve())}
     for dtype in ("float32", "bfloat16"):
-        model = SambaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
         result.setdefault("prompts", prompts(lengths, model.config.vocab_size, seed))
         result[dtype] = [greedy(model, p) for p in result["prompts"]]
     return result
@@ -74,12 +78,46 @@ def mamba2_hybrid(folder: Path) -> None:
     AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(folder)
 
 
+# Every kind of SambaY layer, tiny: L=8 (self-decoder 0-3, memory 4, full 5, GMU 6, cross 7), GQA 8/4 (whole head
+# pairs on each of two ranks), window 64, head_dim 32 (vLLM's CPU attention takes 32, 64, 80, ...).
+SAMBAY = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+              num_key_value_heads=4, sliding_window=64, layer_norm_eps=1e-5, mamba_d_state=16, pad_token_id=3,
+              bos_token_id=1, eos_token_id=2)
+
+
+def sambay_release(folder: Path) -> None:
+    """A tiny Phi-4-mini-flash-reasoning laid out as the release: its config.json fields (model_type "phi4flash",
+    remote code in auto_map, flash-attention asked for), bf16 tensors under the released names with A_log and the
+    lambdas in float32, two shards and an index, no lm_head, no vocabulary files (the tokenizer is given apart)."""
+    weights = random_weights(SAMBAY, seed=2)
+    config = {**SAMBAY, "architectures": ["Phi4FlashForCausalLM"], "model_type": "phi4flash", "mb_per_layer": 2,
+              "_attn_implementation": "flash_attention_2", "torch_dtype": "bfloat16", "tie_word_embeddings": True,
+              "auto_map": {"AutoConfig": "configuration_phi4flash.Phi4FlashConfig",
+                           "AutoModelForCausalLM": "modeling_phi4flash.Phi4FlashForCausalLM",
+                           "AutoTokenizer": "Xenova/gpt-4o"}}
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    fp32 = ("A_log", "lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+    stored = {k: (v.float() if k.endswith(fp32) else v.to(torch.bfloat16)).contiguous() for k, v in weights.items()}
+    names = sorted(stored)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for file, keys in shards.items():
+        save_file({k: stored[k] for k in keys}, folder / file, metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in stored.values())},
+             "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     refs = {"samba_hf_version": samba_hf.__version__ if hasattr(samba_hf, "__version__") else "main"}
     refs["default"] = references(Path(default_model_path()), [300, 9, 120, 250, 40, 130], seed=0)
     mamba2_hybrid(out / "mamba2-hybrid")
     refs["mamba2-hybrid"] = references(out / "mamba2-hybrid", [300, 9, 70, 33], seed=1)
+    sambay_release(out / "sambay")
+    refs["sambay"] = references(out / "sambay", [300, 9, 70, 33], seed=2)
+    refs["sambay"]["tokenizer"] = str(Path(default_model_path()).resolve())
     (out / "references.json").write_text(json.dumps(refs))
     print(f"wrote {out / 'references.json'}")
 

@@ -17,7 +17,8 @@ SUPPORTED_VLLM = ("0.32",)  # the minor series the model classes are written and
 
 ARCHITECTURES = {
     "SambaForCausalLM": "samba_hf_vllm.samba:SambaForCausalLM",
-    "Phi4FlashForCausalLM": "samba_hf_vllm.sambay:SambaYForCausalLM",
+    "Phi4FlashForCausalLM": "samba_hf_vllm.sambay:SambaYForCausalLM",  # Phi-4-mini-flash-reasoning as downloaded
+    "SambaYForCausalLM": "samba_hf_vllm.sambay:SambaYForCausalLM",  # SambaY folders samba-hf writes
 }
 
 

@@ -72,17 +72,27 @@ def check_tensor_parallel(config, tp_size: int) -> None:
 
 class SambaMambaMixer(MambaMixer):
     """vLLM's Mamba-1 mixer (same parameters, sharding and state slots). On CPU, where vLLM has no Mamba-1 scan,
-    `forward_impl` runs samba-hf's conv and compiled scan per request; elsewhere vLLM's kernels."""
+    `forward_impl` runs samba-hf's conv and compiled scan per request; elsewhere vLLM's kernels.
+
+    `returns_memory` (SambaY's layer L/2): `output` is (tokens, hidden + d_inner/tp) and receives
+    [out_proj(y * silu(z)) | y], the scan output before the gate being the memory the GMU layers read. vLLM's kernels
+    always gate, so this layer runs samba-hf's scan on every device (mamba-ssm's kernels on CUDA where installed).
+    """
+
+    def __init__(self, *args, returns_memory: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.returns_memory = returns_memory
 
     def forward_impl(self, hidden_states: torch.Tensor, output: torch.Tensor):
-        if not current_platform.is_cpu():
+        if not current_platform.is_cpu() and not self.returns_memory:
             return super().forward_impl(hidden_states, output)
         metadata = get_forward_context().attn_metadata
         metadata = metadata.get(self.prefix) if metadata is not None else None
         x, z = self.in_proj(hidden_states)[0].chunk(2, dim=-1)  # (tokens, d_inner/tp) each
         if metadata is None:  # vLLM's profile run: no state to read
-            output[: x.shape[0]] = self.out_proj(x.contiguous())[0]
+            self._write(output, x.contiguous(), z)
             return
+        gate = None if self.returns_memory else z  # the memory is the scan output before the gate
         conv_state, ssm_state = self.kv_cache  # conv (slots, K-1, d) or (slots, d, K-1); ssm (slots, d, N)
         if not is_conv_state_dim_first():
             conv_state = conv_state.transpose(-1, -2)  # (slots, d, K-1)
@@ -99,7 +109,7 @@ class SambaMambaMixer(MambaMixer):
             conv_state[slots] = window[..., 1:].to(conv_state.dtype)
             u = F.silu(depthwise_causal_conv(weight, self.conv1d.bias, window, 1))[..., 0]  # (rows, d)
             h0 = ssm_state[slots].float()
-            y[:num_decodes], h = self._scan(u, z[:num_decodes], h0)
+            y[:num_decodes], h = self._scan(u, gate if gate is None else gate[:num_decodes], h0)
             ssm_state[slots] = h.to(ssm_state.dtype)
 
         # then the prefills (or prefill chunks), one request at a time
@@ -114,20 +124,32 @@ class SambaMambaMixer(MambaMixer):
                 conv_state[slot] = window[:, window.shape[1] - weight.shape[1] + 1 :].to(conv_state.dtype)
                 u = F.silu(depthwise_causal_conv(weight, self.conv1d.bias, window[None], end - start))[0].t()
                 h0 = ssm_state[slot].float()[None] if continues[i] else None
-                y[start:end], h = self._scan(u, z[start:end], h0, sequence=True)
+                y[start:end], h = self._scan(u, gate if gate is None else gate[start:end], h0, sequence=True)
                 ssm_state[slot] = h[0].to(ssm_state.dtype)
 
-        output[: y.shape[0]] = self.out_proj(y)[0]
+        self._write(output, y, z)
+
+    def _write(self, output, y, z):
+        """output[:tokens] = out_proj(y) (y gated by the scan), or [out_proj(y * silu(z)) | y] for the memory layer."""
+        tokens = y.shape[0]
+        if not self.returns_memory:
+            output[:tokens] = self.out_proj(y)[0]
+            return
+        hidden = output.shape[1] - y.shape[1]
+        output[:tokens, hidden:] = y
+        output[:tokens, :hidden] = self.out_proj(y * F.silu(z[:tokens]))[0]
 
     def _scan(self, u, z, h0, sequence=False):
-        """u, z (tokens, d). sequence=False: each token is its own request, from h0 (rows, d, N); True: one request
-        of all the tokens, from h0 (1, d, N) or zeros. Returns y (tokens, d) in u's dtype and the last state(s)."""
+        """u, z (tokens, d), z None: no gate. sequence=False: each token is its own request, from h0 (rows, d, N);
+        True: one request of all the tokens, from h0 (1, d, N) or zeros. Returns y (tokens, d) in u's dtype and the
+        last state(s)."""
         dt, B, C = self._ssm_transform(u.contiguous())  # dt (d, tokens); B, C (tokens, N)
         dt = F.softplus(dt.t().float() + self._time_proj_bias())
         if sequence:  # (1, tokens, ...)
-            y, h = selective_scan(u[None], dt[None], self.A, B[None], C[None], self.D, z[None], h0)
+            y, h = selective_scan(u[None], dt[None], self.A, B[None], C[None], self.D, z if z is None else z[None], h0)
             return y[0], h
-        y, h = selective_scan(u[:, None], dt[:, None], self.A, B[:, None], C[:, None], self.D, z[:, None], h0)
+        step = [t[:, None] for t in (u, dt, B, C)]
+        y, h = selective_scan(*step[:2], self.A, *step[2:], self.D, z if z is None else z[:, None], h0)
         return y[:, 0], h
 
 
