@@ -4,7 +4,9 @@ Each block runs in a fresh subprocess (python blocks with this interpreter, bash
 interpreter's bin folder first on PATH) inside one temporary working directory that stands in for the repository
 root: `examples/` is linked into it, so the README's commands are exactly what a user types at the root, and
 nothing is written into the repository. The only blocks not run here are the first two, the install and test
-commands, which CI runs itself (recognised by their content). Blocks of program output are fenced ```text.
+commands, which CI runs itself (recognised by their content), and those of the section "Serving with vLLM", which
+need vLLM's environment: the plugin's tests run them there (`vllm_plugin/tests/test_readme.py`). Blocks of program
+output are fenced ```text.
 """
 
 import os
@@ -46,9 +48,18 @@ def run_by_ci(language: str, body: str) -> bool:
     return install or tests
 
 
+def section_lines(text: str, heading: str) -> range:
+    """The line numbers of a `## ` section, heading included."""
+    lines = text.splitlines()
+    start = lines.index(heading) + 1
+    end = next((n for n in range(start + 1, len(lines) + 1) if lines[n - 1].startswith("## ")), len(lines) + 1)
+    return range(start, end)
+
+
 BLOCKS = fenced_blocks(README.read_text())
+SERVING = section_lines(README.read_text(), "## Serving with vLLM")  # run by vllm_plugin/tests/test_readme.py
 RUNNABLE = [(language, line, body) for language, line, body in BLOCKS
-            if language in RUN and not run_by_ci(language, body)]
+            if language in RUN and not run_by_ci(language, body) and line not in SERVING]
 
 
 def test_every_block_is_run_or_marked_as_output():
