@@ -145,35 +145,40 @@ class SambaMambaMixer(MambaMixer):
         last state(s)."""
         dt, B, C = self._ssm_transform(u.contiguous())  # dt (d, tokens); B, C (tokens, N)
         dt = F.softplus(dt.t().float() + self._time_proj_bias())
-        if sequence:  # (1, tokens, ...)
-            y, h = selective_scan(u[None], dt[None], self.A, B[None], C[None], self.D, z if z is None else z[None], h0)
-            return y[0], h
-        step = [t[:, None] for t in (u, dt, B, C)]
-        y, h = selective_scan(*step[:2], self.A, *step[2:], self.D, z if z is None else z[:, None], h0)
-        return y[:, 0], h
+        # as (batch, seq, ...): one sequence of all the tokens, or one step of each
+        batched = (lambda t: t[None]) if sequence else (lambda t: t[:, None])
+        u, dt, B, C = map(batched, (u, dt, B, C))
+        y, h = selective_scan(u, dt, self.A, B, C, self.D, None if z is None else batched(z), h0)
+        return (y[0] if sequence else y[:, 0]), h
 
 
 def clear_unwritten_values(attention: Attention) -> None:
-    """Zero the value slots after each request's last token in its last KV block, on CPU.
+    """On CPU: zero the value slots after a request's last token in its last KV block, when this step is the first to
+    write that block (later steps fill slots that are zero already, and no one else writes the block meanwhile).
 
     vLLM's CPU attention kernel (0.32) multiplies the values of a block's unwritten slots by zero weights, so a
     non-finite bit pattern left there makes the output NaN (`upstream/cpu_attention_nan_repro.py`). In a hybrid
     model the cache manager hands attention pages that held Mamba states (float32 states read as bfloat16 contain
-    NaN patterns): served in bf16, a request admitted after others finished returned only token 0. Zeroing the
-    slots this step will not write removes that; written slots and other requests' blocks are untouched.
+    NaN patterns): served in bf16, a request admitted after others finished returned only token 0.
     """
     metadata = get_forward_context().attn_metadata
     metadata = metadata.get(attention.layer_name) if metadata is not None else None
     if metadata is None or attention.kv_cache.numel() == 0:
         return
-    # kv_cache (blocks, kv_heads, block_size, 2 * head_dim): keys in the first half of the last dim's view below
-    blocks, kv_heads, block_size, _ = attention.kv_cache.shape
-    values = attention.kv_cache.view(blocks, kv_heads, 2 * block_size, -1)[:, :, block_size:]
-    seq_lens = metadata.seq_lens[: metadata.query_start_loc.numel() - 1].long()
+    blocks, kv_heads, block_size, _ = attention.kv_cache.shape  # keys and values side by side in the last dim
+    starts = metadata.query_start_loc.long()
+    seq_lens = metadata.seq_lens[: starts.numel() - 1].long()
     last = seq_lens - 1  # each request's last position, written by this step
-    block_ids = metadata.block_table.gather(1, (last // block_size)[:, None].to(metadata.block_table.dtype))[:, 0]
+    first = seq_lens - (starts[1:] - starts[:-1])  # its first position written by this step
+    fresh = first <= last // block_size * block_size  # this step writes its last block's first slot
+    if not bool(fresh.any()):
+        return
+    last = last[fresh]
+    rows = metadata.block_table[: seq_lens.numel()][fresh]
+    block_ids = rows.gather(1, (last // block_size)[:, None].to(rows.dtype))[:, 0].long()
+    values = attention.kv_cache.view(blocks, kv_heads, 2 * block_size, -1)[:, :, block_size:]
     after_last = torch.arange(block_size) > (last % block_size)[:, None]  # (requests, block_size)
-    values[block_ids.long()] = values[block_ids.long()].masked_fill(after_last[:, None, :, None], 0)
+    values[block_ids] = values[block_ids].masked_fill(after_last[:, None, :, None], 0)
 
 
 class SambaAttention(nn.Module):
@@ -378,14 +383,17 @@ class SambaModel(nn.Module):
 
 
 class SambaForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    model_class = SambaModel
+    check_tensor_parallel = staticmethod(check_tensor_parallel)
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        check_tensor_parallel(config, vllm_config.parallel_config.tensor_parallel_size)
+        self.check_tensor_parallel(config, vllm_config.parallel_config.tensor_parallel_size)
         if config.mamba_version == 2 and current_platform.is_cpu():
             complete_cpu_mamba2_prefix_caching()
         self.config = config
-        self.model = SambaModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.model = self.model_class(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)

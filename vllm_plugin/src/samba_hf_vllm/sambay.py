@@ -16,7 +16,6 @@ The first half of the output heads is then A1 [v_2p | v_2p+1], the second A2 [v_
 """
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -31,18 +30,11 @@ from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.mamba.mamba_utils import (
-    MambaStateCopyFuncCalculator,
-    MambaStateDtypeCalculator,
-    MambaStateShapeCalculator,
-)
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, make_layers, maybe_prefix
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.models.utils import make_layers
 from vllm.platforms import current_platform
 
-from .samba import SambaMambaMixer, clear_unwritten_values
+from .samba import SambaForCausalLM, SambaMambaMixer, clear_unwritten_values
 
 
 def check_tensor_parallel(config, tp_size: int) -> None:
@@ -227,45 +219,9 @@ class SambaYModel(nn.Module):
         return self.final_layernorm(hidden_states.to(self.final_layernorm.weight.dtype))
 
 
-class SambaYForCausalLM(nn.Module, HasInnerState, IsHybrid):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        config = vllm_config.model_config.hf_config
-        check_tensor_parallel(config, vllm_config.parallel_config.tensor_parallel_size)
-        self.model = SambaYModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
-        self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)  # the release's head is the embedding
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+class SambaYForCausalLM(SambaForCausalLM):
+    """Samba's head, state classmethods (SambaY's Mamba layers are Mamba-1) and loader (the head is tied; the
+    release's names need no renaming but A_log); SambaY's model and head-pair sharding."""
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    @classmethod
-    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
-        cache = vllm_config.cache_config
-        return MambaStateDtypeCalculator.mamba1_state_dtype(
-            vllm_config.model_config.dtype, cache.mamba_cache_dtype, cache.mamba_ssm_cache_dtype
-        )
-
-    @classmethod
-    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        config = vllm_config.model_config.hf_config
-        return MambaStateShapeCalculator.mamba1_state_shape(
-            tp_world_size=vllm_config.parallel_config.tensor_parallel_size, intermediate_size=config.mamba_d_inner,
-            state_size=config.mamba_d_state, conv_kernel=config.mamba_d_conv,
-        )
-
-    @classmethod
-    def get_mamba_state_copy_func(cls):
-        return MambaStateCopyFuncCalculator.mamba1_state_copy_func()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # A_log as vLLM's A = -exp(A_log); a saved copy of the tied head (samba-hf's folders) is not read
-        mapper = WeightsMapper(orig_to_new_substr={".A_log": ".A"})
-        return AutoWeightsLoader(self, ignore_unexpected_prefixes=["lm_head."]).load_weights(weights, mapper=mapper)
+    model_class = SambaYModel
+    check_tensor_parallel = staticmethod(check_tensor_parallel)
