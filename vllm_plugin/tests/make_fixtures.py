@@ -2,7 +2,8 @@
 
     python vllm_plugin/tests/make_fixtures.py OUT      # then: SAMBA_VLLM_FIXTURES=OUT pytest vllm_plugin/tests
 
-OUT gets one folder per tiny model written by samba-hf (`save_pretrained`, as a user's folder) and `references.json`:
+OUT gets one folder per tiny model (a Mamba-2-Hybrid written by samba-hf's `save_pretrained`; a SambaY laid out as
+Microsoft's release, and the same weights saved by samba-hf) and `references.json`:
 per model, the folder, the prompts (token ids) and what samba-hf's `generate` gives for them greedily, with EOS not
 stopping it (as vLLM's `ignore_eos`): the tokens in float32, and in bfloat16 the tokens with the top-5 log-probs of
 every step. The embedded default model is referenced where the package ships it.
@@ -118,6 +119,9 @@ def main(out: Path) -> None:
     sambay_release(out / "sambay")
     refs["sambay"] = references(out / "sambay", [300, 9, 70, 33], seed=2)
     refs["sambay"]["tokenizer"] = str(Path(default_model_path()).resolve())
+    # the same weights as samba-hf writes a SambaY folder (architectures SambaYForCausalLM, its own remote code)
+    AutoModelForCausalLM.from_pretrained(out / "sambay").save_pretrained(out / "sambay-saved")
+    refs["sambay"]["saved_folder"] = str((out / "sambay-saved").resolve())
     (out / "references.json").write_text(json.dumps(refs))
     print(f"wrote {out / 'references.json'}")
 

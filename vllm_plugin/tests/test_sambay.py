@@ -33,3 +33,10 @@ def test_bfloat16_logprobs_stay_close_over_passes(sambay):
 def test_tensor_parallel_2_equals_samba_hf(sambay):
     with engine(sambay["folder"], tokenizer=sambay["tokenizer"], tensor_parallel_size=2) as llm:
         assert tokens(generate(llm, sambay["prompts"])) == tokens(sambay["float32"])
+
+
+def test_a_sambay_folder_saved_by_samba_hf_serves_the_same(sambay):
+    """The release's weights loaded and saved by samba-hf (architectures "SambaYForCausalLM", samba-hf's remote code
+    in auto_map): the same tokens."""
+    with engine(sambay["saved_folder"], tokenizer=sambay["tokenizer"]) as llm:
+        assert tokens(generate(llm, sambay["prompts"])) == tokens(sambay["float32"])
