@@ -1,6 +1,7 @@
 """Serving on CPU: N concurrent requests to vLLM's OpenAI-compatible server on the embedded default Samba (through
 samba-hf-vllm), against samba-hf's batched `generate` of the same N prompts, and against vLLM serving a Llama of the
-same size (the default model's shape with an MLP 797 wide: 5,904,128 parameters, as Samba; random weights).
+same size (the default model's shape with an MLP 797 wide: 5,904,128 parameters, as Samba; random weights), compiled
+as vLLM runs it by default and with `--enforce-eager` (the plugin's classes always run eagerly).
 
     python benchmarks/vllm_serving.py --vllm-python .venv-vllm/bin/python --out benchmarks/results/vllm_serving.json
 
@@ -78,12 +79,13 @@ def stream_one(url: str, model: str, prompt: list[int], new_tokens: int, result:
                 result["tokens"] = chunk["usage"]["completion_tokens"]
 
 
-def serve_and_measure(folder: str, batch: list[list[int]], new_tokens: int) -> dict:
+def serve_and_measure(folder: str, batch: list[list[int]], new_tokens: int, eager: bool) -> dict:
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", str(len(batch))],
+         "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", str(len(batch)),
+         *(["--enforce-eager"] if eager else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
     )
     url = f"http://127.0.0.1:{port}/v1/completions"
@@ -96,7 +98,7 @@ def serve_and_measure(folder: str, batch: list[list[int]], new_tokens: int) -> d
                 if server.poll() is not None:
                     raise RuntimeError(f"the vLLM server on {folder} exited with {server.returncode}")
                 time.sleep(1)
-        stream_one(url, folder, batch[0], 4, {})  # warm-up
+        stream_one(url, folder, [5] * 16, 4, {})  # warm-up, on a prompt that shares no block with the batch
         results = [{} for _ in batch]
         threads = [threading.Thread(target=stream_one, args=(url, folder, p, new_tokens, r))
                    for p, r in zip(batch, results)]
@@ -167,10 +169,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # child: a folder to serve, prints one JSON line
+    parser.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)  # child: --enforce-eager
     args = parser.parse_args()
     if args.serve:
         batch = prompts(args.requests, args.prompt_len, 4096)
-        print(json.dumps(serve_and_measure(args.serve, batch, args.new_tokens)))
+        print(json.dumps(serve_and_measure(args.serve, batch, args.new_tokens, args.eager)))
         return
     if not args.vllm_python:
         parser.error("--vllm-python is required (the environment where samba-hf-vllm is installed)")
@@ -180,13 +183,17 @@ def main():
     batch = prompts(args.requests, args.prompt_len, 4096)
     work = Path(tempfile.mkdtemp(prefix="vllm_serving_"))
     try:
-        folders = {"vllm: samba (plugin)": default_model_path(), "vllm: llama, same size": str(llama_folder(work / "llama"))}
-        runs = {name: [] for name in ["samba-hf generate (batched)", *folders]}
+        llama = str(llama_folder(work / "llama"))
+        # (folder, eager): vLLM compiles the Llama on CPU by default; the plugin's classes always run eagerly
+        servers = {"vllm: samba (plugin)": (default_model_path(), False), "vllm: llama, same size": (llama, False),
+                   "vllm: llama, same size, --enforce-eager": (llama, True)}
+        runs = {name: [] for name in ["samba-hf generate (batched)", *servers]}
         for _ in range(args.rounds):
             runs["samba-hf generate (batched)"].append(samba_hf_generate(batch, args.new_tokens))
-            for name, folder in folders.items():
+            for name, (folder, eager) in servers.items():
                 child = [args.vllm_python, __file__, "--serve", folder, "--requests", str(args.requests),
-                         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+                         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+                         *(["--eager"] if eager else [])]
                 out = subprocess.run(child, capture_output=True, text=True, check=True)
                 runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
     finally:

@@ -69,7 +69,9 @@ def assert_logprobs_close(expected: list[dict], actual: list[dict]):
     """The judgement of vLLM's `check_logprobs_close`: two greedy runs agree token by token until they first differ;
     there each one's token must be among the other's top log-probs (a near tie broken the other way), and the texts
     are not compared after it."""
+    assert len(actual) == len(expected), f"{len(actual)} outputs for {len(expected)} prompts"
     for n, (a, b) in enumerate(zip(expected, actual)):
+        assert len(b["tokens"]) == len(a["tokens"]) == len(b["logprobs"]), f"prompt {n}: lengths differ"
         for step, (token_a, token_b) in enumerate(zip(a["tokens"], b["tokens"])):
             if token_a == token_b:
                 continue

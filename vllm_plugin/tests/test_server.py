@@ -66,7 +66,9 @@ def test_a_tensor_parallel_size_that_splits_heads_is_one_clear_error():
         samba.check_tensor_parallel(SimpleNamespace(**{**vars(config), "num_attention_heads": 6}), 4)
     with pytest.raises(ValueError, match="whole pairs of heads"):
         sambay.check_tensor_parallel(config, 2)  # 2 key/value heads: one per rank, half a pair
-    sambay.check_tensor_parallel(SimpleNamespace(num_attention_heads=40, num_key_value_heads=20), 2)  # the release
+    release = SimpleNamespace(num_attention_heads=40, num_key_value_heads=20, layer_types=["linear_attention"],
+                              mamba_d_inner=5120, mamba_version=1, intermediate_size=10240)
+    sambay.check_tensor_parallel(release, 2)  # Phi-4-mini-flash-reasoning's sizes
 
 
 def test_register_is_idempotent_and_names_every_architecture():
@@ -115,3 +117,25 @@ def test_an_unsupported_vllm_version_is_named(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="samba_hf_vllm"):
         samba_hf_vllm.register()
     assert "supports vLLM 0.32, not 0.40.1" in caplog.text and "install vllm(-cpu) 0.32.*" in caplog.text
+
+
+def test_what_is_not_served_is_one_clear_error():
+    from samba_hf_vllm import samba
+
+    served = SimpleNamespace(speculative_config=None)
+    samba.check_supported(SimpleNamespace(hidden_act="silu"), served)
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not served"):
+        samba.check_supported(SimpleNamespace(hidden_act="gelu"), served)
+    with pytest.raises(ValueError, match="speculative decoding is not supported"):
+        samba.check_supported(SimpleNamespace(hidden_act="silu"), SimpleNamespace(speculative_config=object()))
+
+
+def test_vllm_reads_the_mamba2_chunk_size_of_the_folder(references):
+    """vLLM takes the SSD chunk size from `mamba_chunk_size`; samba-hf's folders call it `mamba2_chunk_size`."""
+    from vllm.config import ModelConfig
+
+    import samba_hf_vllm
+
+    samba_hf_vllm.register()
+    hybrid = ModelConfig(model=references["mamba2-hybrid"]["folder"], max_model_len=256)
+    assert hybrid.get_mamba_chunk_size() == 16  # make_fixtures: mamba2_chunk_size=16

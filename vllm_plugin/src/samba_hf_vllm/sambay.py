@@ -34,11 +34,14 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from vllm.model_executor.models.utils import make_layers
 from vllm.platforms import current_platform
 
-from .samba import SambaForCausalLM, SambaMambaMixer, clear_unwritten_values
+from . import samba
+from .samba import SambaForCausalLM, clear_unwritten_values, mamba_mixer
 
 
 def check_tensor_parallel(config, tp_size: int) -> None:
-    """Differential attention pairs heads: each rank must hold whole pairs of query and of key/value heads."""
+    """Samba's checks, and differential attention pairs heads: each rank must hold whole pairs of query and of
+    key/value heads."""
+    samba.check_tensor_parallel(config, tp_size)
     if config.num_attention_heads % (2 * tp_size) or config.num_key_value_heads % (2 * tp_size):
         raise ValueError(
             f"samba-hf-vllm: tensor_parallel_size={tp_size} must leave each rank whole pairs of heads "
@@ -159,14 +162,7 @@ class SambaYDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = SambaYMLP(config, prefix=f"{prefix}.mlp")
         if self.block in ("mamba", "memory"):
-            self.attn = SambaMambaMixer(
-                hidden_size=config.hidden_size, ssm_state_size=config.mamba_d_state,
-                conv_kernel_size=config.mamba_d_conv, intermediate_size=config.mamba_d_inner,
-                time_step_rank=config.mamba_dt_rank, use_conv_bias=config.mamba_conv_bias,
-                use_bias=config.mamba_proj_bias, use_rms_norm=False, activation=config.hidden_act,
-                is_lora_enabled=bool(vllm_config.lora_config), model_config=vllm_config.model_config,
-                cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn", returns_memory=self.block == "memory",
-            )
+            self.attn = mamba_mixer(config, vllm_config, f"{prefix}.attn", returns_memory=self.block == "memory")
             self.memory_width = config.mamba_d_inner // get_tensor_model_parallel_world_size()
         elif self.block == "gmu":
             self.attn = SambaYGatedMemoryUnit(config, prefix=f"{prefix}.attn")
