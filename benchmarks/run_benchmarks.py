@@ -237,9 +237,9 @@ def default_model_speed(repeats: int, tokens: int = 200) -> dict:
 def default_dtypes(device: str) -> list[str]:
     if device != "cpu":
         return ["float32", "bfloat16"]
-    from samba_hf.cli import cpu_bfloat16_is_faster
+    from samba_hf.cli import cpu_native_bfloat16
 
-    return ["float32", "bfloat16"] if cpu_bfloat16_is_faster() else ["float32"]
+    return ["float32", "bfloat16"] if cpu_native_bfloat16() else ["float32"]
 
 
 def main():

@@ -90,47 +90,46 @@ def test_long_prompt_goes_through_chunked_prefill(capsys):
     assert f"{length}-token prompt" in capsys.readouterr().err
 
 
-# --dtype auto on CPU: bf16 only where the CPU multiplies it natively and the timing says it is faster
-def _auto_dtype(monkeypatch, machine, native, bf16_seconds):
+# --dtype auto: decided from what the machine is (its instruction set), never from a timing
+@pytest.mark.parametrize("machine, avx512_bf16, amx, features, expected", [
+    ("x86_64", False, False, "", torch.float32),       # no native bf16: PyTorch would emulate it, 6-9x slower
+    ("x86_64", True, False, "", torch.bfloat16),       # AVX512-BF16
+    ("x86_64", False, True, "", torch.bfloat16),       # AMX
+    ("aarch64", False, False, "fp asimd sve", torch.float32),
+    ("aarch64", False, False, "fp asimd sve bf16", torch.bfloat16),  # Arm's BF16 extension
+    ("riscv64", True, True, "", torch.float32),        # anything else: float32
+])
+def test_auto_dtype_follows_the_instruction_set(monkeypatch, tmp_path, machine, avx512_bf16, amx, features, expected):
+    import builtins
     import platform
 
     import samba_hf.cli as cli
 
-    cli.cpu_bfloat16_is_faster.cache_clear()
     monkeypatch.setattr(platform, "machine", lambda: machine)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    real_linear = torch.nn.functional.linear
-    clock = {"now": 0.0}
-
-    def timed_linear(x, w):  # advances a fake clock: bf16 takes bf16_seconds, float32 one second
-        clock["now"] += bf16_seconds if x.dtype == torch.bfloat16 else 1.0
-        return real_linear(x, w)
-
-    monkeypatch.setattr(torch.nn.functional, "linear", timed_linear)
-    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock["now"])
-    try:
-        return cli.resolve_dtype("auto", torch.device("cpu"))
-    finally:
-        cli.cpu_bfloat16_is_faster.cache_clear()
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nFeatures\t: {features}\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+    monkeypatch.setattr(torch.nn.functional, "linear", None)  # nothing is timed: a product would fail here
+    assert cli.resolve_dtype("auto", torch.device("cpu")) == expected
+    assert cli.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 
-@pytest.mark.parametrize("machine, native, bf16_seconds, expected", [
-    ("x86_64", False, 0.1, torch.float32),   # no AVX512-BF16 / AMX: emulated bf16, never chosen, not even timed
-    ("x86_64", True, 0.5, torch.bfloat16),   # native and faster
-    ("x86_64", True, 2.0, torch.float32),    # native but slower here
-    ("aarch64", False, 0.5, torch.bfloat16),  # other architectures: the timing decides
-    ("aarch64", False, 2.0, torch.float32),
-])
-def test_auto_dtype_on_cpu_takes_bf16_only_where_native_and_faster(monkeypatch, machine, native, bf16_seconds, expected):
-    assert _auto_dtype(monkeypatch, machine, native, bf16_seconds) == expected
+def test_the_same_command_gives_the_same_text_and_says_which_dtype(tmp_path):
+    """`samba-hf generate` with `--dtype auto` (the default), three times on this machine: one dtype, said on stderr
+    with its reason, and the same text each time."""
+    import subprocess
+    import sys
 
-
-def test_auto_dtype_is_decided_once_per_process():
     import samba_hf.cli as cli
 
-    cli.cpu_bfloat16_is_faster.cache_clear()
-    first = cli.resolve_dtype("auto", torch.device("cpu"))
-    assert first in (torch.float32, torch.bfloat16)
-    assert cli.cpu_bfloat16_is_faster.cache_info().misses == 1
-    assert cli.resolve_dtype("auto", torch.device("cpu")) == first and cli.cpu_bfloat16_is_faster.cache_info().hits == 1
+    runs = [subprocess.run([sys.executable, "-c", "import sys; from samba_hf_cli import main; sys.exit(main())",
+                            "generate", "The history of", "--max-new-tokens", "40"],
+                           capture_output=True, text=True, check=True) for _ in range(3)]
+    assert runs[0].stdout.startswith("The history of") and len(runs[0].stdout) > len("The history of") + 20
+    assert all(run.stdout == runs[0].stdout for run in runs)
+    dtype, why = cli.auto_dtype(torch.device("cpu"))
+    said = f"samba-hf: --dtype auto: {str(dtype).removeprefix('torch.')}, as {why}"
+    assert all(said in run.stderr and f"cpu, {str(dtype).removeprefix('torch.')})" in run.stderr for run in runs)

@@ -6,7 +6,6 @@ match its config, an output that cannot be written) end with one `samba-hf: erro
 traceback; no model runs or is written with weights that did not come from its files.
 """
 
-import functools
 import os
 import sys
 import time
@@ -61,43 +60,60 @@ def resolve_device(name: str):
 
 
 def resolve_dtype(name: str, device):
-    """`auto`: bfloat16 on CUDA; on CPU bfloat16 only where `cpu_bfloat16_is_faster()`, else float32. Whatever the
-    dtype, the model keeps A_log / D, the scan and the SSM state in float32."""
+    """The dtype `--dtype` names; `auto`: `auto_dtype(device)`. Whatever the dtype, the model keeps A_log / D, the
+    scan and the SSM state in float32."""
     import torch
 
     if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        return torch.bfloat16 if device.type == "cpu" and cpu_bfloat16_is_faster() else torch.float32
+        return auto_dtype(device)[0]
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-@functools.cache
-def cpu_bfloat16_is_faster() -> bool:
-    """Whether this CPU multiplies bfloat16 natively and faster than float32, decided here and now: an x86 CPU needs
-    AVX512-BF16 or AMX (without them PyTorch emulates bf16 products, several times slower than float32; other
-    architectures are judged by the timing alone), and then bf16 must win both a decode-like product (one row: weights
-    read once) and a prefill-like one (128 rows), best of 5 each. About 50 ms."""
+def chosen_dtype(name: str, device):
+    """`resolve_dtype`, saying on stderr what `auto` chose and why."""
+    dtype = resolve_dtype(name, device)
+    if name == "auto":
+        print(f"samba-hf: --dtype auto: {str(dtype).removeprefix('torch.')}, as {auto_dtype(device)[1]}", file=sys.stderr)
+    return dtype
+
+
+def auto_dtype(device) -> tuple:
+    """(dtype, why) for `--dtype auto`, decided from what the machine is, never from a timing, so that the same
+    command on the same machine gives the same text every time: bfloat16 on CUDA; on a CPU bfloat16 where it
+    multiplies bfloat16 natively (`cpu_native_bfloat16`), else float32."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.bfloat16, "a CUDA device"
+    if device.type == "cpu":
+        native = cpu_native_bfloat16()
+        if native:
+            return torch.bfloat16, f"this CPU multiplies bfloat16 natively ({native})"
+        return torch.float32, "this CPU has no native bfloat16 products (AVX512-BF16, AMX or Arm BF16)"
+    return torch.float32, f"a {device.type} device"
+
+
+def cpu_native_bfloat16() -> str | None:
+    """The instruction set extension that makes bfloat16 products native on this CPU, or None: AVX512-BF16 or AMX on
+    x86, the BF16 extension on Arm. Without one PyTorch emulates bf16 products, 6-9x slower than float32 (measured on
+    an x86 without them); with one, bf16 reads half the bytes of float32 per weight."""
     import platform
 
     import torch
 
-    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") and not (
-        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    ):
-        return False
-
-    def best_time(rows, dtype):
-        x, w = torch.randn(rows, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    with torch.inference_mode():
-        return all(best_time(rows, torch.bfloat16) < best_time(rows, torch.float32) for rows in (1, 128))
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        if torch.cpu._is_amx_tile_supported():
+            return "AMX"
+        return "AVX512-BF16" if torch.cpu._is_avx512_bf16_supported() else None
+    if machine in ("aarch64", "arm64"):
+        try:
+            with open("/proc/cpuinfo") as info:
+                features = {word for line in info if line.lower().startswith("features") for word in line.split()}
+        except OSError:
+            return None
+        return "Arm BF16" if "bf16" in features else None
+    return None
 
 
 def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype, any_model: bool = False,
@@ -190,7 +206,7 @@ def generate(args) -> int:
     from transformers import TextStreamer
 
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = chosen_dtype(args.dtype, device)
     tokenizer, model = load(args.model, args.tokenizer, device, dtype)
     if args.model is None:
         print(f"samba-hf: {DEFAULT_MODEL_NOTE}", file=sys.stderr)
@@ -315,7 +331,7 @@ def evaluate(args) -> int:
 
     outputs = _eval_outputs(args)  # refused before anything is loaded or run
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = chosen_dtype(args.dtype, device)
     default = "passkey" if args.task == "passkey" else "default"
     tokenizer, model = load(args.model, args.tokenizer, device, dtype, any_model=True, default=default)
     if args.model is None:
