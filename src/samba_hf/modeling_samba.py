@@ -9,8 +9,7 @@ where the mixer is a `SambaMambaMixer` ("linear_attention" layers; a `SambaMamba
 `SambaAttention` ("sliding_attention" / "full_attention" layers). Layouts with "mlp" layers (NVIDIA's
 Mamba-2-Hybrid, Megatron's one-sub-layer blocks) run x += mixer(input_layernorm(x)) or x += mlp(input_layernorm(x)).
 Decoding state lives in transformers' own hybrid `DynamicCache(config=...)`: one conv window and one SSM state per
-Mamba layer, at most `sliding_window - 1` key/value positions per sliding layer (`SambaSlidingWindowLayer`, written in
-place).
+Mamba layer, at most `sliding_window - 1` key/value positions per sliding layer.
 
 This file is also the remote code of a saved model: it imports only torch, transformers and its siblings.
 """
@@ -27,7 +26,6 @@ from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
     DummyLayer,
-    DynamicSlidingWindowLayer,
     DynamicCache,
     LinearAttentionCacheLayerMixin,
 )
@@ -85,47 +83,6 @@ def cache_layer_shape(layer) -> tuple[int, tuple] | None:
     if not isinstance(keys, torch.Tensor) or keys.ndim != 4:
         return None
     return keys.shape[0], (keys.shape[1], keys.shape[3])
-
-
-class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
-    """transformers' sliding-window key/value cache layer, written in place. The kept `sliding_window - 1` positions
-    and a step's new ones sit side by side in a buffer twice the window long, so a decoding step writes its tokens
-    and returns a view of [kept | new], where `DynamicSlidingWindowLayer` concatenates (copies) the whole window on
-    every step. When the buffer is full the kept positions move to its front: one copy per window of steps. Whatever
-    replaced `keys` / `values` meanwhile (beam reordering, cropping, batch selection) is taken as the new contents.
-    A prompt as long as the window or longer, and assisted decoding's recorded past, go through transformers' path."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        new = key_states.shape[-2]
-        if not self.is_initialized or self.record_past or new >= self.sliding_window:
-            return super().update(key_states, value_states, *args, **kwargs)
-        kept = getattr(self, "_kept", (None, None))
-        if self.keys is not kept[0] or self.values is not kept[1]:  # first step, or replaced from outside
-            self._seed()
-        keys, values = self._buffer  # (batch, heads, 2 * sliding_window, head_dim)
-        if self._end + new > keys.shape[-2]:  # full: move the kept positions to the front
-            kept = self._end - self._start
-            keys[..., :kept, :] = keys[..., self._start : self._end, :].clone()
-            values[..., :kept, :] = values[..., self._start : self._end, :].clone()
-            self._start, self._end = 0, kept
-        keys[..., self._end : self._end + new, :] = key_states
-        values[..., self._end : self._end + new, :] = value_states
-        visible = (keys[..., self._start : self._end + new, :], values[..., self._start : self._end + new, :])
-        self._end += new
-        self._start = max(self._start, self._end - (self.sliding_window - 1))
-        self.keys, self.values = keys[..., self._start : self._end, :], values[..., self._start : self._end, :]
-        self._kept = (self.keys, self.values)
-        self.cumulative_length += new
-        return visible
-
-    def _seed(self):
-        """A fresh buffer holding the current `keys` / `values` at its front."""
-        batch, heads, length, head_dim = self.keys.shape
-        shape = (batch, heads, 2 * self.sliding_window, head_dim)
-        self._buffer = (self.keys.new_empty(shape), self.values.new_empty(shape[:3] + self.values.shape[3:]))
-        self._buffer[0][..., :length, :] = self.keys
-        self._buffer[1][..., :length, :] = self.values
-        self._start, self._end = 0, length
 
 
 class SambaRMSNorm(nn.Module):
@@ -735,8 +692,6 @@ class SambaModel(SambaPreTrainedModel):
             use_cache, past_key_values, attention_mask = False, None, None  # builders find the documents themselves
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
-        if past_key_values is not None:
-            self._write_windows_in_place(past_key_values)
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if self._has_attention_cache(past_key_values) else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
@@ -771,16 +726,6 @@ class SambaModel(SambaPreTrainedModel):
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
         )
-
-    @staticmethod
-    def _write_windows_in_place(cache):
-        """Fresh sliding-window layers of a `DynamicCache` become `SambaSlidingWindowLayer`s (same contents and
-        behaviour, no copy of the window per step); layers already holding states, and other caches, are left as
-        they are."""
-        layers = getattr(cache, "layers", [])
-        for i, layer in enumerate(layers):
-            if type(layer) is DynamicSlidingWindowLayer and not layer.is_initialized:
-                layers[i] = SambaSlidingWindowLayer(sliding_window=layer.sliding_window)
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_key_values):
         """Raise a ValueError that names the problem and the fix for inputs that would otherwise fail deep in torch
