@@ -71,9 +71,10 @@ def resolve_dtype(name: str, device):
 
 def chosen_dtype(name: str, device):
     """`resolve_dtype`, saying on stderr what `auto` chose and why."""
-    dtype = resolve_dtype(name, device)
-    if name == "auto":
-        print(f"samba-hf: --dtype auto: {str(dtype).removeprefix('torch.')}, as {auto_dtype(device)[1]}", file=sys.stderr)
+    if name != "auto":
+        return resolve_dtype(name, device)
+    dtype, why = auto_dtype(device)
+    print(f"samba-hf: --dtype auto: {str(dtype).removeprefix('torch.')}, as {why}", file=sys.stderr)
     return dtype
 
 

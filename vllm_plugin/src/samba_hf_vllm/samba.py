@@ -103,7 +103,6 @@ class SambaMambaMixer(MambaMixer):
         if metadata is None:  # vLLM's profile run: no state to read
             self._write(output, x.contiguous(), z)
             return
-        gate = None if self.returns_memory else z  # the memory is the scan output before the gate
         conv_state, ssm_state = self.kv_cache  # conv (slots, K-1, d) or (slots, d, K-1); ssm (slots, d, N)
         if not is_conv_state_dim_first():
             conv_state = conv_state.transpose(-1, -2)  # (slots, d, K-1)
@@ -120,7 +119,7 @@ class SambaMambaMixer(MambaMixer):
             conv_state[slots] = window[..., 1:].to(conv_state.dtype)
             u = F.silu(depthwise_causal_conv(weight, self.conv1d.bias, window, 1))[..., 0]  # (rows, d)
             h0 = ssm_state[slots].float()
-            y[:num_decodes], h = self._scan(u, gate if gate is None else gate[:num_decodes], h0)
+            y[:num_decodes], h = self._scan(u, z[:num_decodes], h0)
             ssm_state[slots] = h.to(ssm_state.dtype)
 
         # then the prefills (or prefill chunks), one request at a time
@@ -135,7 +134,7 @@ class SambaMambaMixer(MambaMixer):
                 conv_state[slot] = window[:, window.shape[1] - weight.shape[1] + 1 :].to(conv_state.dtype)
                 u = F.silu(depthwise_causal_conv(weight, self.conv1d.bias, window[None], end - start))[0].t()
                 h0 = ssm_state[slot].float()[None] if continues[i] else None
-                y[start:end], h = self._scan(u, gate if gate is None else gate[start:end], h0, sequence=True)
+                y[start:end], h = self._scan(u, z[start:end], h0, sequence=True)
                 ssm_state[slot] = h[0].to(ssm_state.dtype)
 
         self._write(output, y, z)
@@ -151,20 +150,20 @@ class SambaMambaMixer(MambaMixer):
         output[:tokens, :hidden] = self.out_proj(y * F.silu(z[:tokens]))[0]
 
     def _scan(self, u, z, h0, sequence=False):
-        """u, z (tokens, d), z None: no gate. sequence=False: each token is its own request, from h0 (rows, d, N);
-        True: one request of all the tokens, from h0 (1, d, N) or zeros. Returns y (tokens, d) in u's dtype and the
-        last state(s)."""
+        """u, z (tokens, d); y is gated by z except in the memory layer, whose memory is the scan output before the
+        gate. sequence=False: each token is its own request, from h0 (rows, d, N); True: one request of all the tokens,
+        from h0 (1, d, N) or zeros. Returns y (tokens, d) in u's dtype and the last state(s)."""
         dt, B, C = self._ssm_transform(u.contiguous())  # dt (d, tokens); B, C (tokens, N)
         dt = F.softplus(dt.t().float() + self._time_proj_bias())
         # as (batch, seq, ...): one sequence of all the tokens, or one step of each
         batched = (lambda t: t[None]) if sequence else (lambda t: t[:, None])
         u, dt, B, C = map(batched, (u, dt, B, C))
-        y, h = selective_scan(u, dt, self.A, B, C, self.D, None if z is None else batched(z), h0)
+        y, h = selective_scan(u, dt, self.A, B, C, self.D, None if self.returns_memory else batched(z), h0)
         return (y[0] if sequence else y[:, 0]), h
 
 
 def clear_unwritten_values(attention: Attention) -> None:
-    """On CPU: zero the value slots after a request's last token in its last KV block, when this step is the first to
+    """On CPU (elsewhere nothing): zero the value slots after a request's last token in its last KV block, when this step is the first to
     write that block (later steps fill slots that are zero already, and no one else writes the block meanwhile).
 
     vLLM's CPU attention kernel (0.32) multiplies the values of a block's unwritten slots by zero weights, so a
@@ -172,6 +171,8 @@ def clear_unwritten_values(attention: Attention) -> None:
     model the cache manager hands attention pages that held Mamba states (float32 states read as bfloat16 contain
     NaN patterns): served in bf16, a request admitted after others finished returned only token 0.
     """
+    if not current_platform.is_cpu():
+        return
     metadata = get_forward_context().attn_metadata
     metadata = metadata.get(attention.layer_name) if metadata is not None else None
     if metadata is None or attention.kv_cache.numel() == 0:
@@ -227,8 +228,7 @@ class SambaAttention(nn.Module):
         q, k, v = self.qkv_proj(hidden_states)[0].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k)
-        if current_platform.is_cpu():
-            clear_unwritten_values(self.attn)
+        clear_unwritten_values(self.attn)
         return self.o_proj(self.attn(q, k, v))[0]
 
 

@@ -32,7 +32,6 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.utils import make_layers
-from vllm.platforms import current_platform
 
 from . import samba
 from .samba import SambaForCausalLM, clear_unwritten_values, mamba_mixer
@@ -76,15 +75,15 @@ class SambaYDifferentialAttention(nn.Module):
         # query (tokens, heads, d); key, value (tokens, kv_heads, d), None in a cross-attention layer
         split = lambda t: torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).flatten(1)  # even heads of pairs, then odd
         query, tokens = split(query), query.shape[0]
+        key = None if key is None else split(key)
         halves = []
         for half, attention in enumerate((self.attend_even, self.attend_odd)):
             if key is None:
                 halves.append(attention(query, None, None))
                 continue
-            if current_platform.is_cpu():
-                clear_unwritten_values(attention)
+            clear_unwritten_values(attention)
             v = value[:, half::2]  # (tokens, kv_heads / 2, d): this half of each pair's values, for A1 and for A2
-            halves.append(attention(query, split(key), torch.cat([v, v], dim=1).flatten(1)))
+            halves.append(attention(query, key, torch.cat([v, v], dim=1).flatten(1)))
         out = torch.cat([h.view(tokens, self.heads, self.head_dim) for h in halves], dim=-1)  # (tokens, heads, 2d)
         a1, a2 = out[:, : self.heads // 2], out[:, self.heads // 2 :]  # pair p: A1 [v_2p | v_2p+1], A2 likewise
         lambda_full = (torch.exp((self.lambda_q1 * self.lambda_k1).sum()) - torch.exp((self.lambda_q2 * self.lambda_k2).sum())
