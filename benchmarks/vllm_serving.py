@@ -177,6 +177,14 @@ def main():
         return
     if not args.vllm_python:
         parser.error("--vllm-python is required (the environment where samba-hf-vllm is installed)")
+    if not (os.path.isfile(args.vllm_python) and os.access(args.vllm_python, os.X_OK)):
+        parser.error(f"--vllm-python {args.vllm_python}: no such program; give the plugin environment's python, "
+                     "e.g. .venv-vllm/bin/python")
+    for name in ("requests", "prompt_len", "new_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.out is not None and not args.out.parent.is_dir():
+        parser.error(f"--out {args.out}: the folder {args.out.parent} does not exist")
 
     from samba_hf.cli import default_model_path
 

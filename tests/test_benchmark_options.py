@@ -19,3 +19,37 @@ def test_mistaken_options_end_in_one_error(tmp_path, arguments, message):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()  # nothing measured, nothing written
+
+
+SERVING = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_serving.py"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ([], "--vllm-python is required"),
+    (["--vllm-python", "/no/such/python"], "--vllm-python /no/such/python: no such program"),
+    (["--vllm-python", sys.executable, "--requests", "0"], "--requests must be at least 1"),
+    (["--vllm-python", sys.executable, "--out", "/no/such/folder/out.json"], "the folder /no/such/folder does not"),
+])
+def test_the_serving_benchmark_refuses_mistaken_options(arguments, message):
+    result = subprocess.run([sys.executable, str(SERVING), *arguments], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "vllm_plugin" / "tests" / "make_fixtures.py"
+
+
+def test_the_plugin_fixtures_script_writes_nothing_over_what_it_did_not_write(tmp_path):
+    """make_fixtures.py OUT: no OUT, a file, a folder of someone else's: one error each, nothing touched."""
+    run = lambda *args: subprocess.run([sys.executable, str(FIXTURES), *args], capture_output=True, text=True,
+                                       timeout=120)
+    result = run()
+    assert result.returncode == 1 and "usage: python vllm_plugin/tests/make_fixtures.py OUT" in result.stderr
+    (tmp_path / "a-file").write_text("mine")
+    result = run(str(tmp_path / "a-file"))
+    assert result.returncode == 1 and "is a file" in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / "a-file").read_text() == "mine"
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("mine")
+    result = run(str(tmp_path / "theirs"))
+    assert result.returncode == 1 and "holds files this script did not write" in result.stderr
+    assert [p.name for p in (tmp_path / "theirs").iterdir()] == ["notes.txt"]

@@ -110,8 +110,23 @@ def sambay_release(folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+MARKER = ".samba_vllm_fixtures"  # written first: a folder holding it is this script's to rewrite
+
+
+def check_output(out: Path) -> None:
+    """OUT must be new, empty, or made by this script before (an interrupted run included): nothing else is
+    overwritten."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"make_fixtures.py: error: {out} is a file; give a folder to write the fixtures in")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise SystemExit(f"make_fixtures.py: error: {out} holds files this script did not write; give a new or "
+                         "empty folder")
+
+
 def main(out: Path) -> None:
+    check_output(out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).touch()
     refs = {"samba_hf_version": samba_hf.__version__ if hasattr(samba_hf, "__version__") else "main"}
     refs["default"] = references(Path(default_model_path()), [300, 9, 120, 250, 40, 130], seed=0)
     mamba2_hybrid(out / "mamba2-hybrid")
@@ -122,9 +137,13 @@ def main(out: Path) -> None:
     # the same weights as samba-hf writes a SambaY folder (architectures SambaYForCausalLM, its own remote code)
     AutoModelForCausalLM.from_pretrained(out / "sambay").save_pretrained(out / "sambay-saved")
     refs["sambay"]["saved_folder"] = str((out / "sambay-saved").resolve())
-    (out / "references.json").write_text(json.dumps(refs))
+    partial = out / "references.json.partial"  # the tests read references.json only once it is whole
+    partial.write_text(json.dumps(refs))
+    partial.replace(out / "references.json")
     print(f"wrote {out / 'references.json'}")
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python vllm_plugin/tests/make_fixtures.py OUT")
     main(Path(sys.argv[1]))
