@@ -3,7 +3,7 @@
     samba-hf generate "prompt" [--model PATH_OR_NAME] [--tokenizer PATH_OR_NAME] [--max-new-tokens N] [--do-sample]
                                [--temperature T] [--top-k K] [--top-p P] [--seed S]
                                [--dtype auto|float32|bfloat16|float16] [--device auto|cpu|cuda|cuda:N|mps]
-                               [--prefill-chunk-size N] [--chat [--system TEXT]]
+                               [--prefill-chunk-size N] [--compile] [--chat [--system TEXT]]
     samba-hf convert {lit-gpt,fla,mamba,mistral,llama,megatron} SRC OUT [--config NAME_OR_JSON] [--force-config]
                      [--tokenizer PATH] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
                      [--verify | --no-verify] [--push-to-hub REPO] [--force]
@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
     gen.add_argument("--prefill-chunk-size", type=int, default=8192,
                      help="prompts longer than this are read in chunks of this many tokens (bounded memory)")
+    gen.add_argument("--compile", action="store_true",
+                     help="decode with a static cache and a torch.compile'd step (transformers' cache_implementation="
+                          "'static' and compile_config): faster steps after a compilation of several seconds")
     gen.add_argument("--chat", action="store_true",
                      help="the prompt is a user message: format it with the tokenizer's chat template, print only "
                           "the reply and stop at the end of its turn (e.g. <|end|> for Phi-4-mini-flash-reasoning)")

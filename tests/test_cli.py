@@ -1,6 +1,7 @@
 """`samba-hf generate`: streams on the embedded default, and user mistakes give one line and a non-zero exit."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -27,6 +28,16 @@ def test_generate_on_the_embedded_default_streams_greedy_tokens():
     ids = tokenizer("Samba is", return_tensors="pt", add_special_tokens=False).input_ids
     expected = tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :])
     assert result.stdout.rstrip("\n") == "Samba is" + expected
+
+
+def test_compile_gives_the_eager_text_and_says_it_compiled():
+    """--compile: a static cache and a compiled decode step (transformers' switches); the same greedy text, past the
+    embedded model's 256-token window, and a rate measured after compiling."""
+    args = ("generate", "The history of", "--max-new-tokens", "300", "--dtype", "float32")
+    compiled, eager = run_cli(*args, "--compile"), run_cli(*args)
+    assert compiled.returncode == 0 and eager.returncode == 0, compiled.stderr + eager.stderr
+    assert compiled.stdout == eager.stdout and len(compiled.stdout) > 300
+    assert re.search(r"tokens/s per step \(median\) after compiling, cpu, float32\)", compiled.stderr)
 
 
 def test_sampling_with_a_seed_is_reproducible(capsys):

@@ -67,6 +67,45 @@ def test_gradients_match_float64_autograd(optional, seq_len):
         assert (tensor.grad.double() - expected).abs().max().item() <= 1e-5 * scale, name
 
 
+@pytest.mark.parametrize("optional", [("D", "z", "h0"), ()], ids=["with-D-z-h0", "without"])
+def test_under_torch_compile_the_scan_is_one_operator_with_the_same_values_and_gradients(optional):
+    """fullgraph=True: dynamo keeps the C scan as `torch.ops.samba_hf.selective_scan_cpu` (it cannot trace ctypes),
+    forward and backward equal the eager scan's."""
+    x = {k: (v if k in optional or k in "uAdtBC" else None) for k, v in inputs(seq_len=70).items()}
+    eager = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
+    compiled = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
+
+    def loss(**tensors):
+        y, h = ssm_samba.selective_scan(**tensors)
+        return (y * y.detach().sign()).sum() + h.square().sum()
+
+    graph_ops = []
+
+    def backend(gm, example_inputs):
+        graph_ops.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+
+    loss(**eager).backward()
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(**compiled).backward()
+    for name in eager:
+        assert torch.allclose(compiled[name].grad, eager[name].grad, rtol=1e-6, atol=1e-6), name
+    torch.compile(loss, fullgraph=True, backend=backend)(**compiled)
+    assert "samba_hf.selective_scan_cpu.default" in graph_ops
+    with torch.no_grad():
+        y, h = torch.compile(ssm_samba.selective_scan, fullgraph=True)(**x)
+        y_eager, h_eager = ssm_samba.selective_scan(**x)
+    assert torch.equal(y, y_eager) and torch.equal(h, h_eager)
+
+
+def test_the_scan_operator_passes_torch_opcheck():
+    """Schema, fake (meta) implementation and autograd registration, as torch.library checks them."""
+    x = inputs(seq_len=70)
+    args = [x[k] for k in ("u", "dt", "A", "B", "C", "D", "z", "h0")]
+    torch.library.opcheck(torch.ops.samba_hf.selective_scan_cpu, (*args, False))
+    torch.library.opcheck(torch.ops.samba_hf.selective_scan_cpu, (*[a.clone().requires_grad_() for a in args], True))
+    torch.library.opcheck(torch.ops.samba_hf.selective_scan_cpu, (*args[:5], None, None, None, False))
+
+
 def test_only_the_inputs_that_need_a_gradient_get_one():
     x = inputs()
     x["dt"].requires_grad_()

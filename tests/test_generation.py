@@ -139,16 +139,28 @@ def test_static_cache(model, prompt):
     assert torch.equal(gen(model, prompt, do_sample=False, cache_implementation="static"), no_cache_greedy(model, prompt, NEW))
 
 
-def test_compiled_decode_step_with_static_cache_on_cpu():
+def compiled_generate_equals_eager(model, vocab: int, new_tokens: int = 20):
+    """transformers' own switches (a static cache, `compile_config`) compile the decode step in one graph
+    (fullgraph=True); it recompiles a bounded number of times (the window filling), not once per token, and gives
+    the eager dynamic cache's tokens, for a left-padded batch."""
+    from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
-    model = tiny_model(seed=11)
-    ids = torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(1))
-    compile_config = CompileConfig(fullgraph=False, dynamic=False)
+    torch._dynamo.reset()
+    counters.clear()
+    ids = torch.randint(3, vocab, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    options = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    compile_config = CompileConfig(fullgraph=True)
     compile_config._compile_all_devices = True  # generate only auto-compiles on accelerators unless told
-    out = gen(model, ids, do_sample=False, max_new_tokens=12, cache_implementation="static", compile_config=compile_config)
+    out = model.generate(ids, cache_implementation="static", compile_config=compile_config, **options)
     assert getattr(model, "_compiled_call", None) is not None  # the decode step really ran compiled
-    assert torch.equal(out, no_cache_greedy(model, ids, 12))
+    assert 1 <= counters["stats"]["unique_graphs"] <= 3
+    assert torch.equal(out, model.generate(ids, **options))
+
+
+def test_compiled_decode_step_with_static_cache_on_cpu():
+    compiled_generate_equals_eager(tiny_model(seed=11), vocab=97)
 
 
 class EveryStep(StoppingCriteria):

@@ -17,7 +17,7 @@ from samba_hf.training import LORA_TARGET_MODULES, lora_config
 
 from conftest import randomize_norms, tiny_config
 from megatron_reference import megatron_logits, nemotron_h_logits, random_megatron_state, tiny_geometry
-from test_generation import assert_left_padded_rows_equal_their_own_runs, gen, no_cache_greedy
+from test_generation import assert_left_padded_rows_equal_their_own_runs, compiled_generate_equals_eager, gen, no_cache_greedy
 from test_kernel_dispatch import fake_causal_conv1d_fn, fake_causal_conv1d_update
 
 TOL = 1e-4
@@ -219,6 +219,10 @@ def test_greedy_and_sampling_equal_recomputation(model, prompt):
 def test_static_cache_equals_recomputation(model, prompt):
     assert torch.equal(gen(model, prompt, do_sample=False, cache_implementation="static"),
                        no_cache_greedy(model, prompt, 30))
+
+
+def test_compiled_decode_step_equals_eager(model):
+    compiled_generate_equals_eager(model, vocab=97)
 
 
 def test_beam_search_reorders_the_mamba2_states(model, prompt):

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from samba_hf import SambaYConfig, SambaYForCausalLM
 
 from sambay_reference import random_weights, reference_logits
+from test_generation import compiled_generate_equals_eager
 from test_save_load import assert_loads_without_the_package
 
 RELEASE = Path(__file__).resolve().parents[2] / "shared" / "design" / "sambay"
@@ -222,6 +223,10 @@ def test_greedy_generate_equals_recomputation(prompt_length):
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
                          pad_token_id=0)
     assert torch.equal(out, greedy_without_cache(model, prompt, 16))
+
+
+def test_compiled_decode_step_equals_eager():
+    compiled_generate_equals_eager(tiny_model()[0], vocab=64)
 
 
 def test_logits_of_a_decode_step_equal_the_full_forward_past_the_window():

@@ -7,10 +7,12 @@ traceback; no model runs or is written with weights that did not come from its f
 """
 
 import os
+import statistics
 import sys
 import time
 from importlib import resources
 
+from transformers import TextStreamer
 from transformers.utils import logging
 
 from samba_hf_cli import UserError, main
@@ -204,7 +206,6 @@ def max_prompt_tokens(config) -> int | None:
 
 def generate(args) -> int:
     import torch
-    from transformers import TextStreamer
 
     device = resolve_device(args.device)
     dtype = chosen_dtype(args.dtype, device)
@@ -236,22 +237,44 @@ def generate(args) -> int:
         options["prefill_chunk_size"] = args.prefill_chunk_size
     if stop_ids is not None:
         options["eos_token_id"] = stop_ids
+    if args.compile:
+        from transformers import CompileConfig
+
+        compile_config = CompileConfig(fullgraph=True)
+        compile_config._compile_all_devices = True  # generate compiles only on accelerators unless told
+        options.update(cache_implementation="static", compile_config=compile_config)
 
     if not args.chat:  # a continuation follows its prompt; a chat reply stands alone
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=args.chat)
+    streamer = TimedStreamer(tokenizer, skip_prompt=True, skip_special_tokens=args.chat)
     start = time.perf_counter()
     with torch.inference_mode():
         output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **options)
     elapsed = time.perf_counter() - start
     new_tokens = output.shape[1] - input_ids.shape[1]
+    rate = f"{new_tokens / elapsed:.1f} tokens/s"
+    if args.compile and new_tokens > 2:  # the first steps compile (again when the window fills): say both
+        step = statistics.median(b - a for a, b in zip(streamer.times[2:], streamer.times[3:]))
+        rate = f"{1 / step:.1f} tokens/s per step (median) after compiling"
     print(
         f"samba-hf: {new_tokens} new tokens from a {input_ids.shape[1]}-token prompt in {elapsed:.2f} s "
-        f"({new_tokens / elapsed:.1f} tokens/s, {device.type}, {str(dtype).removeprefix('torch.')})",
+        f"({rate}, {device.type}, {str(dtype).removeprefix('torch.')})",
         file=sys.stderr,
     )
     return 0
+
+
+class TimedStreamer(TextStreamer):
+    """transformers' TextStreamer, noting when each put() arrives: the prompt, then one per decoding step."""
+
+    def __init__(self, tokenizer, **options):
+        super().__init__(tokenizer, **options)
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+        super().put(value)
 
 
 def chat_prompt(tokenizer, model, prompt: str, system: str | None) -> tuple[str, list[int] | None]:

@@ -33,6 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +121,7 @@ def selective_scan(
             return _step_with_kernel(state_update_fn, u, dt, A, B, C, D, z, h0)
         if scan_fn is None:
             logger.warning_once("samba-hf: mamba-ssm is not installed; the Mamba scan runs in PyTorch (slower on GPU)")
-    elif u.device.type == "cpu" and not torch.compiler.is_compiling() and _cpu_scan_library() is not None:
+    elif u.device.type == "cpu" and _cpu_scan_library() is not None:
         return selective_scan_cpu(u, dt, A, B, C, D, z, h0)
     return selective_scan_pytorch(u, dt, A, B, C, D, z, h0)
 
@@ -598,26 +599,33 @@ class _CpuScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_h):
-        u, dt, A, B, C, D, z, checkpoints = ctx.saved_tensors
-        (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
-        threads = _scan_threads(batch, seq_len, d_inner, d_state)
-        grads = {
-            "u": torch.empty_like(u), "dt": torch.empty_like(dt), "A": torch.zeros_like(A),
-            "B": B.new_zeros(threads, *B.shape), "C": C.new_zeros(threads, *C.shape),
-            "D": None if D is None else torch.zeros_like(D), "z": None if z is None else torch.empty_like(z),
-            "h0": u.new_empty(batch, d_inner, d_state),
-        }
-        # named, so that they live until the call returns (a pointer does not keep its tensor alive)
-        grad_y = grad_y.float().contiguous()
-        grad_h = None if grad_h is None else grad_h.float().contiguous()
-        failed = _cpu_scan_library().samba_scan_backward(
-            threads, batch, seq_len, d_inner, d_state,
-            *map(_pointer, (u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h, *grads.values())),
-        )
-        if failed:
-            raise MemoryError("samba-hf: out of memory in the CPU scan's backward")
-        grads["B"], grads["C"] = grads["B"].sum(0), grads["C"].sum(0)
-        return tuple(grads[name] if need else None for name, need in zip(grads, ctx.needs_input_grad))
+        grads = _cpu_scan_backward(*ctx.saved_tensors, grad_y, grad_h, D_given=ctx.saved_tensors[5] is not None,
+                                   z_given=ctx.saved_tensors[6] is not None)
+        return tuple(grad if need else None for grad, need in zip(grads, ctx.needs_input_grad))
+
+
+def _cpu_scan_backward(u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h, D_given=True, z_given=True):
+    """The gradients of (u, dt, A, B, C, D, z, h0); those of D and z are None where they were not given."""
+    (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
+    threads = _scan_threads(batch, seq_len, d_inner, d_state)
+    grads = {
+        "u": torch.empty_like(u), "dt": torch.empty_like(dt), "A": torch.zeros_like(A),
+        "B": B.new_zeros(threads, *B.shape), "C": C.new_zeros(threads, *C.shape),
+        "D": torch.zeros_like(D) if D_given else None, "z": torch.empty_like(z) if z_given else None,
+        "h0": u.new_empty(batch, d_inner, d_state),
+    }
+    # named, so that they live until the call returns (a pointer does not keep its tensor alive)
+    grad_y = grad_y.float().contiguous()
+    grad_h = None if grad_h is None else grad_h.float().contiguous()
+    failed = _cpu_scan_library().samba_scan_backward(
+        threads, batch, seq_len, d_inner, d_state,
+        *map(_pointer, (u, dt, A, B, C, D if D_given else None, z if z_given else None, checkpoints, grad_y, grad_h,
+                        *grads.values())),
+    )
+    if failed:
+        raise MemoryError("samba-hf: out of memory in the CPU scan's backward")
+    grads["B"], grads["C"] = grads["B"].sum(0), grads["C"].sum(0)
+    return tuple(grads.values())
 
 
 def _cpu_scan_forward(u, dt, A, B, C, D, z, h0, keep_checkpoints=False):
@@ -638,14 +646,71 @@ def _cpu_scan_forward(u, dt, A, B, C, D, z, h0, keep_checkpoints=False):
 
 def selective_scan_cpu(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled CPU scan (same arguments and results as `selective_scan_pytorch`), differentiable. A must be <= 0,
-    as the model's A = -exp(A_log) is: each decay exp(dt * A) is then in (0, 1], and nothing overflows at any length."""
+    as the model's A = -exp(A_log) is: each decay exp(dt * A) is then in (0, 1], and nothing overflows at any length.
+    Under `torch.compile` it runs as the operator `torch.ops.samba_hf.selective_scan_cpu` (`_scan_operator`)."""
     inputs = [None if x is None else x.float().contiguous() for x in (u, dt, A, B, C, D, z, h0)]
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+    if torch.compiler.is_compiling():
+        y, h, _ = _SCAN_OPERATOR(*inputs, keep_checkpoints=torch.is_grad_enabled())
+    elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
         y, h = _CpuScan.apply(*inputs)
     else:
         with torch.no_grad():
             y, h = _cpu_scan_forward(*inputs)
     return y.to(u.dtype), h
+
+
+def _scan_operator():
+    """The compiled scan as a torch operator, `torch.ops.samba_hf.selective_scan_cpu`, with a backward, so that
+    `torch.compile` keeps it as one call: dynamo cannot trace into the C library, and the PyTorch scan it would trace
+    instead unrolls a Python loop over tokens. Registered once per process: a second copy of this file (a saved
+    model's remote code) finds the operator registered and uses it. Returns (y, last state, checkpoints); the
+    checkpoints (for the backward) are empty unless `keep_checkpoints`."""
+    namespace = torch.ops.samba_hf
+    if hasattr(namespace, "selective_scan_cpu"):
+        return namespace.selective_scan_cpu
+    Tensor, OptionalTensor = torch.Tensor, typing.Optional[torch.Tensor]
+
+    @torch.library.custom_op("samba_hf::selective_scan_cpu", mutates_args=(), device_types="cpu")
+    def scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: OptionalTensor, z: OptionalTensor,
+             h0: OptionalTensor, keep_checkpoints: bool) -> tuple[Tensor, Tensor, Tensor]:
+        if keep_checkpoints:
+            return _cpu_scan_forward(u, dt, A, B, C, D, z, h0, keep_checkpoints=True)
+        y, h = _cpu_scan_forward(u, dt, A, B, C, D, z, h0)
+        return y, h, u.new_empty(0)
+
+    @scan.register_fake
+    def _(u, dt, A, B, C, D, z, h0, keep_checkpoints):
+        (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
+        checkpoints = (batch, (seq_len + _CPU_SCAN_SEGMENT - 1) // _CPU_SCAN_SEGMENT, d_inner, d_state)
+        return u.new_empty(u.shape), u.new_empty(batch, d_inner, d_state), u.new_empty(checkpoints if keep_checkpoints else 0)
+
+    @torch.library.custom_op("samba_hf::selective_scan_cpu_backward", mutates_args=(), device_types="cpu")
+    def scan_backward(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: OptionalTensor, z: OptionalTensor,
+                      checkpoints: Tensor, grad_y: Tensor, grad_h: OptionalTensor) -> list[Tensor]:
+        grads = _cpu_scan_backward(u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h, D is not None, z is not None)
+        return [u.new_empty(0) if grad is None else grad for grad in grads]  # an operator returns no None
+
+    @scan_backward.register_fake
+    def _(u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h):
+        absent = u.new_empty(0)
+        return [u.new_empty(u.shape), dt.new_empty(dt.shape), A.new_empty(A.shape), B.new_empty(B.shape),
+                C.new_empty(C.shape), absent if D is None else D.new_empty(D.shape),
+                absent if z is None else z.new_empty(z.shape), u.new_empty(u.shape[0], *A.shape)]
+
+    def setup_context(ctx, inputs, output):
+        u, dt, A, B, C, D, z, h0, _ = inputs
+        ctx.save_for_backward(u, dt, A, B, C, D, z, output[2])
+        ctx.absent = (False,) * 5 + (D is None, z is None, h0 is None)
+
+    def backward(ctx, grad_y, grad_h, _):
+        grads = scan_backward(*ctx.saved_tensors, grad_y, grad_h)
+        return *(None if absent else grad for grad, absent in zip(grads, ctx.absent)), None
+
+    scan.register_autograd(backward, setup_context=setup_context)
+    return scan
+
+
+_SCAN_OPERATOR = _scan_operator()
 
 
 def _scan_with_kernel(scan_fn, u, dt, A, B, C, D, z):
