@@ -12,8 +12,9 @@ logged once.
 On CPU tensors it runs a compiled C scan (`_CPU_SCAN_SOURCE` below, with its backward): one pass over time that holds
 each channel's state in registers, with no (time, channel, state) tensor and no Python per token. It is built once per
 machine with the system's C compiler (`cc`, or `$CC`) into `~/.cache/samba_hf` (`$SAMBA_HF_CACHE`) and loaded with
-ctypes. Where there is no compiler, under `torch.compile`, or with `SAMBA_HF_SCAN=pytorch`, the PyTorch scan runs
-instead (the same recurrence, stepped per token in Python).
+ctypes. Under `torch.compile` it is the operator `torch.ops.samba_hf.selective_scan_cpu` (with its backward), which
+dynamo keeps as one call. Where there is no compiler, or with `SAMBA_HF_SCAN=pytorch`, the PyTorch scan runs instead
+(the same recurrence, stepped per token in Python).
 
 Everything is computed in float32 whatever the input dtype; `y` comes back in the dtype of `u`, the final state
 in float32.
