@@ -32,14 +32,16 @@ def resident_mib() -> float:
 
 
 def cache_bytes(cache: DynamicCache) -> int:
-    total = 0
+    """Bytes of storage the cache's tensors hold (a view counts its whole storage, each storage once)."""
+    storages = {}
     for layer in cache.layers:
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name, None)
-            total += tensor.nbytes if isinstance(tensor, torch.Tensor) else 0
+        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
         for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
-            total += sum(t.nbytes for t in states.values() if t is not None)
-    return total
+            tensors += list(states.values())
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 class Meter(BaseStreamer):

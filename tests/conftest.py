@@ -32,6 +32,19 @@ def randomize_norms(model):
             param.uniform_(0.5, 1.5)
 
 
+def held_bytes(cache) -> int:
+    """Bytes of storage a cache's tensors hold: a view counts its whole storage, each storage once."""
+    storages = {}
+    for layer in cache.layers:
+        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            tensors += list(states.values()) if isinstance(states, dict) else []
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(1234)

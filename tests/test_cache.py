@@ -65,7 +65,7 @@ def test_forward_with_use_cache_returns_the_hybrid_cache():
     model = tiny_model()
     out = model(torch.randint(3, 97, (1, 20)), use_cache=True)
     kinds = [type(layer).__name__ for layer in out.past_key_values.layers]
-    assert kinds == ["LinearAttentionLayer", "DynamicSlidingWindowLayer"] * 2
+    assert kinds == ["LinearAttentionLayer", "SambaSlidingWindowLayer"] * 2  # transformers' layer, written in place
     assert model(torch.randint(3, 97, (1, 4)), use_cache=False).past_key_values is None
 
 
@@ -143,3 +143,37 @@ def test_inference_chunking_equals_one_pass(layout, monkeypatch):
     calls.clear()
     model(ids)  # with autograd on, never chunked (the training graph stays one piece)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("window", [8, 40])  # room (window / 16) of 1 and of 2 positions
+def test_the_in_place_window_returns_what_transformers_layer_returns_without_copying_the_window(window, monkeypatch):
+    """SambaSlidingWindowLayer against transformers' DynamicSlidingWindowLayer, fed the same keys/values: a prompt,
+    then 3 windows of one-token steps with a beam reordering and a two-token step among them. Every step returns the
+    same tensors; a one-token step writes into the layer's buffer and returns a view of it. New buffers: while the
+    window fills (every `window_slack` steps), after the reordering and after a step longer than the room."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from samba_hf.modeling_samba import SambaSlidingWindowLayer, window_slack
+
+    g, slack = torch.Generator().manual_seed(0), window_slack(window)
+    ours, theirs = SambaSlidingWindowLayer(sliding_window=window), DynamicSlidingWindowLayer(sliding_window=window)
+    seeds = []
+    seed = SambaSlidingWindowLayer._seed
+    monkeypatch.setattr(SambaSlidingWindowLayer, "_seed", lambda self: (seeds.append(self.keys.shape[-2]), seed(self)))
+    kv = lambda n: (torch.randn(3, 2, n, 4, generator=g), torch.randn(3, 2, n, 4, generator=g))
+    prompt, reorder_at, long_step_at = 5, 2 * window, 2 * window + 4
+    steps = [prompt] + [1] * (long_step_at - 1) + [slack + 1] + [1] * window
+    for i, n in enumerate(steps):
+        k, v = kv(n)
+        got, expected = ours.update(k, v), theirs.update(k, v)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert ours.get_seq_length() == theirs.get_seq_length() and ours.get_mask_sizes(1) == theirs.get_mask_sizes(1)
+        if n == 1:
+            assert got[0]._base is ours._buffer[0] and got[1]._base is ours._buffer[1]  # views, not copies
+            assert ours._buffer[0].shape[-2] <= min(sum(steps[: i + 1]), window - 1) + slack
+        if i == reorder_at:  # beams reordered between steps, as generate does
+            order = torch.tensor([2, 0, 1])
+            for layer in (ours, theirs):
+                layer.keys, layer.values = layer.keys[order], layer.values[order]
+    filling = list(range(prompt, window - 1, slack)) + [window - 1]  # kept positions at each growth of the buffer
+    assert seeds == filling + [window - 1, window - 1]  # then: after the reordering, after the long step

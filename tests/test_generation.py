@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionL
 import samba_hf
 from samba_hf.cli import default_model_path
 
-from conftest import tiny_model
+from conftest import held_bytes, tiny_model
 
 NEW = 30  # tokens generated: almost 4 windows of 8
 
@@ -184,17 +184,15 @@ def test_cache_stays_bounded_while_generating(model):
     seen = []
 
     def check(step, input_ids):
-        total = 0
         for kind, layer in zip(c.layer_types, cache.layers):
             if kind == "linear_attention":
                 assert isinstance(layer, LinearAttentionLayer)
                 assert layer.conv_states[0].shape == (2, c.mamba_d_inner, c.mamba_d_conv)
                 assert layer.recurrent_states[0].shape == (2, c.mamba_d_inner, c.mamba_d_state)
-                total += layer.conv_states[0].nbytes + layer.recurrent_states[0].nbytes
             else:
                 assert isinstance(layer, DynamicSlidingWindowLayer)
                 assert layer.keys.shape[-2] <= c.sliding_window - 1 and layer.values.shape[-2] <= c.sliding_window - 1
-                total += layer.keys.nbytes + layer.values.nbytes
+        total = held_bytes(cache)  # storage, not views: the in-place window's room counts
         assert total <= expected_bytes
         seen.append(total)
 
@@ -209,8 +207,8 @@ def test_cache_nbytes_against_a_full_attention_layout():
     llama_like = samba_hf.SambaConfig.from_preset("samba-421m", layer_types=["full_attention"] * 12)
     with torch.device("meta"):
         samba_model, llama_model = samba_hf.SambaForCausalLM(samba), samba_hf.SambaForCausalLM(llama_like)
-    # 6 Mamba layers: 3072 x (4 + 16) x 4 bytes; 6 SWA layers: 2 x 12 heads x 2047 x 128 x 4 bytes
-    assert samba_model.cache_nbytes(1) == 6 * 3072 * 20 * 4 + 6 * 2 * 12 * 2047 * 128 * 4
+    # 6 Mamba layers: 3072 x (4 + 16) x 4 bytes; 6 SWA layers: 2 x 12 heads x (2047 kept + 128 of room) x 128 x 4 bytes
+    assert samba_model.cache_nbytes(1) == 6 * 3072 * 20 * 4 + 6 * 2 * 12 * (2047 + 128) * 128 * 4
     assert samba_model.cache_nbytes(1, seq_len=65536) == samba_model.cache_nbytes(1)
     assert samba_model.cache_nbytes(1, seq_len=100) < samba_model.cache_nbytes(1)
     assert llama_model.cache_nbytes(1, seq_len=65536) == 12 * 2 * 12 * 65536 * 128 * 4

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from samba_hf import SambaYConfig, SambaYForCausalLM
 
 from sambay_reference import random_weights, reference_logits
+from conftest import held_bytes
 from test_generation import compiled_generate_equals_eager
 from test_save_load import assert_loads_without_the_package
 
@@ -310,8 +311,8 @@ def test_cache_bytes_grow_by_one_layers_keys_and_values_per_token():
     x = ids(2, 30)
     with torch.no_grad():
         cache = model(x, use_cache=True).past_key_values
-    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in layer_tensors(layer))
-    assert held == model.cache_nbytes(batch_size=2, seq_len=30)
+        model(x[:, :1], past_key_values=cache, use_cache=True)  # one decoding step
+    assert held_bytes(cache) == model.cache_nbytes(batch_size=2, seq_len=31)
     per_token = model.cache_nbytes(2, 31) - model.cache_nbytes(2, 30)
     assert per_token == 2 * 2 * config.num_key_value_heads * config.head_dim * 4  # batch 2, k and v, float32
 

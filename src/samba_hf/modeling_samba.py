@@ -9,7 +9,8 @@ where the mixer is a `SambaMambaMixer` ("linear_attention" layers; a `SambaMamba
 `SambaAttention` ("sliding_attention" / "full_attention" layers). Layouts with "mlp" layers (NVIDIA's
 Mamba-2-Hybrid, Megatron's one-sub-layer blocks) run x += mixer(input_layernorm(x)) or x += mlp(input_layernorm(x)).
 Decoding state lives in transformers' own hybrid `DynamicCache(config=...)`: one conv window and one SSM state per
-Mamba layer, at most `sliding_window - 1` key/value positions per sliding layer.
+Mamba layer, at most `sliding_window - 1` key/value positions per sliding layer (`SambaSlidingWindowLayer`, written in
+place).
 
 This file is also the remote code of a saved model: it imports only torch, transformers and its siblings.
 """
@@ -26,6 +27,7 @@ from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
     DummyLayer,
+    DynamicSlidingWindowLayer,
     DynamicCache,
     LinearAttentionCacheLayerMixin,
 )
@@ -83,6 +85,60 @@ def cache_layer_shape(layer) -> tuple[int, tuple] | None:
     if not isinstance(keys, torch.Tensor) or keys.ndim != 4:
         return None
     return keys.shape[0], (keys.shape[1], keys.shape[3])
+
+
+def window_slack(sliding_window: int) -> int:
+    """Positions a `SambaSlidingWindowLayer` keeps beyond the `sliding_window - 1` it must: one 16th of the window."""
+    return max(1, sliding_window // 16)
+
+
+class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding-window key/value cache layer, written in place. `DynamicSlidingWindowLayer` concatenates
+    (copies) the whole window on every step; here the kept `sliding_window - 1` positions sit at the front of a
+    buffer with `window_slack` free positions after them, a step writes its new positions there and returns a view
+    of [kept | new]. When the slack is used up the kept positions move back to the front (or, while the window is
+    still filling, into a larger buffer): one copy of the window every `window_slack` steps instead of one per step,
+    for 1/16 of the window more memory. The first step also lets go of the prompt's keys and values, of which
+    transformers' layer keeps a view. Whatever replaced `keys` / `values`
+    meanwhile (beam reordering, cropping, batch selection) is taken as the new contents. A step of more new positions
+    than the slack (a prompt, a long chunk), and assisted decoding's recorded past, go through transformers' path."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        new = key_states.shape[-2]
+        if not self.is_initialized or self.record_past or new > window_slack(self.sliding_window):
+            return super().update(key_states, value_states, *args, **kwargs)
+        kept = getattr(self, "_kept", (None, None))
+        if self.keys is not kept[0] or self.values is not kept[1]:  # first step, or replaced from outside
+            self._seed()
+        keys, values = self._buffer  # (batch, heads, at most sliding_window - 1 + slack, head_dim)
+        if self._end + new > keys.shape[-2]:  # the slack is used up
+            kept = self._end - self._start
+            if kept + new > keys.shape[-2]:  # the window is still filling: a larger buffer
+                self._seed()
+                keys, values = self._buffer
+            else:  # move the kept positions to the front
+                keys[..., :kept, :] = keys[..., self._start : self._end, :].clone()
+                values[..., :kept, :] = values[..., self._start : self._end, :].clone()
+                self._start, self._end = 0, kept
+        keys[..., self._end : self._end + new, :] = key_states
+        values[..., self._end : self._end + new, :] = value_states
+        visible = (keys[..., self._start : self._end + new, :], values[..., self._start : self._end + new, :])
+        self._end += new
+        self._start = max(self._start, self._end - (self.sliding_window - 1))
+        self.keys, self.values = keys[..., self._start : self._end, :], values[..., self._start : self._end, :]
+        self._kept = (self.keys, self.values)
+        self.cumulative_length += new
+        return visible
+
+    def _seed(self):
+        """A fresh buffer holding the current `keys` / `values` at its front, and room for `window_slack` more."""
+        batch, heads, length, head_dim = self.keys.shape
+        positions = min(length, self.sliding_window - 1) + window_slack(self.sliding_window)
+        self._buffer = (self.keys.new_empty(batch, heads, positions, head_dim),
+                        self.values.new_empty(batch, heads, positions, self.values.shape[-1]))
+        self._buffer[0][..., :length, :] = self.keys
+        self._buffer[1][..., :length, :] = self.values
+        self._start, self._end = 0, length
 
 
 class SambaRMSNorm(nn.Module):
@@ -692,6 +748,8 @@ class SambaModel(SambaPreTrainedModel):
             use_cache, past_key_values, attention_mask = False, None, None  # builders find the documents themselves
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if past_key_values is not None:
+            self._write_windows_in_place(past_key_values)
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if self._has_attention_cache(past_key_values) else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
@@ -726,6 +784,16 @@ class SambaModel(SambaPreTrainedModel):
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
         )
+
+    @staticmethod
+    def _write_windows_in_place(cache):
+        """Fresh sliding-window layers of a `DynamicCache` become `SambaSlidingWindowLayer`s (same contents and
+        behaviour, no copy of the window per step); layers already holding states, and other caches, are left as
+        they are."""
+        layers = getattr(cache, "layers", [])
+        for i, layer in enumerate(layers):
+            if type(layer) is DynamicSlidingWindowLayer and not layer.is_initialized:
+                layers[i] = SambaSlidingWindowLayer(sliding_window=layer.sliding_window)
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_key_values):
         """Raise a ValueError that names the problem and the fix for inputs that would otherwise fail deep in torch
@@ -1021,8 +1089,10 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         Per Mamba layer: one conv window (batch, d_inner, d_conv) in the model dtype and one SSM state
         (batch, d_inner, d_state) in float32, whatever the length; per Mamba-2 layer the conv window covers x, B and C
         (batch, d_inner + 2 * groups * d_state, d_conv) and the state is (batch, heads, head_dim, d_state), float32.
-        "mlp" layers keep nothing. Per sliding layer: keys and values for at most
-        `sliding_window - 1` positions. Per full-attention layer: keys and values for all `seq_len` positions.
+        "mlp" layers keep nothing. Per sliding layer: keys and values for at most `sliding_window - 1` positions,
+        in a buffer with `window_slack` positions of room (`SambaSlidingWindowLayer`). Per full-attention layer: keys
+        and values for all `seq_len` positions. Counted as storage, from the first decoding step on (after a prompt
+        and before that step, a sliding layer still holds the prompt's keys and values, as transformers' layer does).
         `seq_len=None` means "any length past the window" (the size a Samba layout never exceeds); it is an error
         for layouts with full-attention layers, whose cache has no bound.
         """
@@ -1041,7 +1111,8 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
                 continue
             elif kind == "sliding_attention":
                 window = config.sliding_window - 1
-                total += kv_per_position * (window if seq_len is None else min(seq_len, window))
+                kept = window if seq_len is None else min(seq_len, window)
+                total += kv_per_position * (kept + window_slack(config.sliding_window))
             elif seq_len is None:
                 raise ValueError("this layout has full-attention layers, whose cache grows with length: pass seq_len")
             else:

@@ -600,8 +600,8 @@ class _CpuScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_h):
-        grads = _cpu_scan_backward(*ctx.saved_tensors, grad_y, grad_h, D_given=ctx.saved_tensors[5] is not None,
-                                   z_given=ctx.saved_tensors[6] is not None)
+        saved = ctx.saved_tensors  # unpacked once (activation checkpointing allows no second unpacking)
+        grads = _cpu_scan_backward(*saved, grad_y, grad_h, D_given=saved[5] is not None, z_given=saved[6] is not None)
         return tuple(grad if need else None for grad, need in zip(grads, ctx.needs_input_grad))
 
 
