@@ -1,7 +1,7 @@
 """Decoding speed, third round (#21): eager against compiled, transformers' window against the in-place one.
 
     python benchmarks/decode_speed.py --out benchmarks/results/decode_speed.json [--dtypes float32,bfloat16]
-                                      [--contexts 1024,16384] [--steps 20] [--repeats 3] [--skip-default-model]
+                                      [--contexts 1024,16384] [--steps 20] [--repeats 3] [--parts steps,default]
 
 1. The ~113M Samba and Llama of `run_benchmarks.py` (random weights, batch 1): the median one-token step at each
    context, every (model, cache, context) stepped in turn after 3 warm-up steps (the compiled ones compile there).
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_benchmarks import (  # noqa: E402
-    HEAD_DIM, KV_HEADS, LLAMA_GENERATE, WINDOW, build, decode_bytes_per_token, default_dtypes, measure_bandwidth_gbs,
+    HEAD_DIM, KV_HEADS, WINDOW, build, decode_bytes_per_token, default_dtypes, measure_bandwidth_gbs,
     synthetic_cache,
 )
 from vllm_serving import machine  # noqa: E402
@@ -118,25 +118,55 @@ def decode_steps(dtype: torch.dtype, contexts: list[int], steps: int) -> dict:
     }
 
 
+LLAMA_STEPS = """
+import statistics, sys, time, torch
+from transformers import AutoConfig, CompileConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.streamers import BaseStreamer
+from samba_hf.cli import default_model_path
+torch.manual_seed(0)
+c = AutoConfig.from_pretrained(default_model_path())
+llama = LlamaForCausalLM(LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=797,
+    num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+    num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, tie_word_embeddings=True)).eval().to(torch.{dtype})
+ids = torch.randint(4, c.vocab_size, (1, 5))
+compiled = {compiled}
+options = dict(attention_mask=torch.ones_like(ids), max_new_tokens={tokens}, min_new_tokens={tokens}, do_sample=False,
+               pad_token_id=0)
+if compiled:
+    cc = CompileConfig(fullgraph=True); cc._compile_all_devices = True
+    options.update(cache_implementation="static", compile_config=cc)
+
+class Times(BaseStreamer):
+    def __init__(self): self.times = []
+    def put(self, value): self.times.append(time.perf_counter())
+    def end(self): pass
+
+with torch.inference_mode():
+    times = Times()
+    start = time.perf_counter()
+    out = llama.generate(ids, streamer=times, **options)
+    if compiled:  # as samba-hf generate --compile reports: the median step after compiling
+        print(1 / statistics.median(b - a for a, b in zip(times.times[2:], times.times[3:])))
+    else:  # as samba-hf generate reports: the whole call
+        print((out.shape[1] - 5) / (time.perf_counter() - start))
+"""
+
+
 def default_model(dtype: str, repeats: int, tokens: int = 200) -> dict:
+    """tokens/s: `samba-hf generate` as it prints them (the whole call; with --compile the median step after
+    compiling) and a same-size Llama through `generate`, measured the same way, eager and compiled."""
     cli = [sys.executable, "-c", "import sys; from samba_hf_cli import main; sys.exit(main())", "generate",
            "The history of", "--max-new-tokens", str(tokens), "--dtype", dtype]
-    compiled_llama = ("from transformers import CompileConfig\n"
-                      "cc = CompileConfig(fullgraph=True); cc._compile_all_devices = True\n")
-    llama = LLAMA_GENERATE.replace("llama = LlamaForCausalLM", "llama = LlamaForCausalLM").format(mlp=797, tokens=tokens)
-    llama = llama.replace(").eval()", f").eval().to(torch.{dtype})")
-    llama_compiled = llama.replace("with torch.inference_mode():", compiled_llama + "with torch.inference_mode():\n"
-                                   "    llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, "
-                                   "do_sample=False, pad_token_id=0, cache_implementation='static', compile_config=cc)")
-    llama_compiled = llama_compiled.replace("do_sample=False, pad_token_id=0)",
-                                            "do_sample=False, pad_token_id=0, cache_implementation='static', "
-                                            "compile_config=cc)")
-    rates = {"samba-hf generate": [], "samba-hf generate --compile": [], "llama generate, eager": [],
-             "llama generate, compiled (static cache)": []}
+    commands = {
+        "samba-hf generate": cli,
+        "samba-hf generate --compile": cli + ["--compile"],
+        "llama generate, eager": [sys.executable, "-c", LLAMA_STEPS.format(dtype=dtype, compiled=False, tokens=tokens)],
+        "llama generate, compiled (static cache)": [
+            sys.executable, "-c", LLAMA_STEPS.format(dtype=dtype, compiled=True, tokens=tokens)],
+    }
+    rates = {name: [] for name in commands}
     for _ in range(repeats):
-        for name, command in (("samba-hf generate", cli), ("samba-hf generate --compile", cli + ["--compile"]),
-                              ("llama generate, eager", [sys.executable, "-c", llama]),
-                              ("llama generate, compiled (static cache)", [sys.executable, "-c", llama_compiled])):
+        for name, command in commands.items():
             out = subprocess.run(command, capture_output=True, text=True, check=True)
             if name.startswith("samba"):
                 rates[name].append(float(re.search(r"\(([0-9.]+) tokens/s", out.stderr)[1]))
@@ -151,25 +181,39 @@ def main():
     parser.add_argument("--contexts", default="1024,16384")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--skip-default-model", action="store_true")
+    parser.add_argument("--parts", default="steps,default", help="steps (the 113M models), default (the embedded "
+                        "default through samba-hf generate), or both")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.out is not None and not args.out.parent.is_dir():
         parser.error(f"--out: the folder {args.out.parent} does not exist")
+    parts = args.parts.split(",")
+    if not parts or set(parts) - {"steps", "default"}:
+        parser.error(f"--parts: give steps, default or both, got {args.parts!r}")
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be at least 1")
     dtypes = args.dtypes.split(",") if args.dtypes else default_dtypes("cpu")
-    contexts = [int(c) for c in args.contexts.split(",")]
+    for dtype in dtypes:
+        if dtype not in ("float32", "bfloat16", "float16"):
+            parser.error(f"--dtypes: {dtype} is not float32, bfloat16 or float16")
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        parser.error(f"--contexts: give token counts separated by commas, got {args.contexts!r}")
+    if min(contexts) < 1:
+        parser.error("--contexts must be at least 1 token each")
     report = {"command": " ".join(["python", "benchmarks/decode_speed.py", *sys.argv[1:]]), "machine": machine(),
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "window": WINDOW, "results": {}}
     for dtype in dtypes:
-        result = decode_steps(getattr(torch, dtype), contexts, args.steps)
-        if not args.skip_default_model:
+        result = decode_steps(getattr(torch, dtype), contexts, args.steps) if "steps" in parts else {}
+        if "default" in parts:
             result["default_model_tokens_per_s"] = default_model(dtype, args.repeats)
         report["results"][dtype] = result
         print(json.dumps({dtype: result}, indent=1), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    if args.out:  # whole or not at all
+        partial = args.out.with_name(args.out.name + ".partial")
+        partial.write_text(json.dumps(report, indent=1) + "\n")
+        partial.replace(args.out)
 
 
 if __name__ == "__main__":

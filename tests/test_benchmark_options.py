@@ -35,6 +35,21 @@ def test_the_serving_benchmark_refuses_mistaken_options(arguments, message):
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
+DECODE = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_speed.py"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--dtypes", "float33"], "--dtypes: float33 is not float32, bfloat16 or float16"),
+    (["--contexts", "1K"], "--contexts: give token counts separated by commas, got '1K'"),
+    (["--contexts", "0"], "--contexts must be at least 1 token each"),
+    (["--steps", "0"], "--steps and --repeats must be at least 1"),
+    (["--out", "/no/such/folder/out.json"], "--out: the folder /no/such/folder does not exist"),
+])
+def test_the_decode_benchmark_refuses_mistaken_options(arguments, message):
+    result = subprocess.run([sys.executable, str(DECODE), *arguments], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
 FIXTURES = Path(__file__).resolve().parents[1] / "vllm_plugin" / "tests" / "make_fixtures.py"
 
 

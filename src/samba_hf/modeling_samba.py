@@ -48,6 +48,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_samba import SambaConfig
+from .linear_samba import SambaLinear
 from .ssm_samba import causal_conv, selective_scan, ssd_scan
 
 logger = logging.get_logger(__name__)
@@ -296,10 +297,10 @@ class SambaAttention(nn.Module):
         is_sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = config.sliding_window if is_sliding else None
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = SambaLinear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = SambaLinear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = SambaLinear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = SambaLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
         self.o_proj.is_residual_output = True  # scaled down at init, see SambaPreTrainedModel._init_weights
 
     def forward(
@@ -324,6 +325,13 @@ class SambaAttention(nn.Module):
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
+        if self._bfloat16_decode_on_cpu(query_states, attention_mask, kwargs):
+            # PyTorch's CPU sdpa takes ~5x longer for one bfloat16 query than for one float32 query
+            dtype = query_states.dtype
+            query_states, key_states, value_states = query_states.float(), key_states.float(), value_states.float()
+        else:
+            dtype = None
+
         if self._is_blockwise(query_states, attention_mask):
             padding = None if attention_mask is None else attention_mask[:, -key_states.shape[2] :]
             attn_output = sliding_window_attention_blockwise(
@@ -346,8 +354,23 @@ class SambaAttention(nn.Module):
             sliding_window=self.sliding_window,  # flash-attention reads the window from here, the others from the mask
             **kwargs,
         )
+        if dtype is not None:
+            attn_output = attn_output.to(dtype)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
+
+    def _bfloat16_decode_on_cpu(self, query: torch.Tensor, attention_mask, kwargs) -> bool:
+        """One bfloat16 query per sequence on CPU, through sdpa or eager, with a boolean mask or none, no attention
+        weights asked for: attend in float32 (faster there, and no less exact)."""
+        return (
+            query.device.type == "cpu"
+            and query.dtype == torch.bfloat16
+            and query.shape[2] == 1
+            and self.config._attn_implementation in ("sdpa", "eager")
+            and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool))
+            and not kwargs.get("output_attentions")
+            and not self.training
+        )
 
     def _is_blockwise(self, query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
         """SambaModel hands a sliding layer a 2D padding mask (or None) instead of a 4D mask when the prompt is
@@ -404,7 +427,7 @@ class SambaMambaMixer(nn.Module):
         self.time_step_rank = config.mamba_dt_rank
         self.act = ACT2FN[config.hidden_act]
 
-        self.in_proj = nn.Linear(self.hidden_size, 2 * self.intermediate_size, bias=config.mamba_proj_bias)
+        self.in_proj = SambaLinear(self.hidden_size, 2 * self.intermediate_size, bias=config.mamba_proj_bias)
         self.conv1d = nn.Conv1d(
             self.intermediate_size,
             self.intermediate_size,
@@ -413,13 +436,13 @@ class SambaMambaMixer(nn.Module):
             padding=self.conv_kernel_size - 1,
             bias=config.mamba_conv_bias,
         )
-        self.x_proj = nn.Linear(self.intermediate_size, self.time_step_rank + 2 * self.ssm_state_size, bias=False)
-        self.dt_proj = nn.Linear(self.time_step_rank, self.intermediate_size, bias=True)
+        self.x_proj = SambaLinear(self.intermediate_size, self.time_step_rank + 2 * self.ssm_state_size, bias=False)
+        self.dt_proj = SambaLinear(self.time_step_rank, self.intermediate_size, bias=True)
         # S4D-real initialisation: A = -[1, 2, ..., N] for every channel, stored as log(-A).
         A = torch.arange(1, self.ssm_state_size + 1, dtype=torch.float32).expand(self.intermediate_size, -1)
         self.A_log = nn.Parameter(torch.log(A).contiguous())
         self.D = nn.Parameter(torch.ones(self.intermediate_size))
-        self.out_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=config.mamba_proj_bias)
+        self.out_proj = SambaLinear(self.intermediate_size, self.hidden_size, bias=config.mamba_proj_bias)
         self.out_proj.is_residual_output = True
 
     def forward(
@@ -455,13 +478,25 @@ class SambaMambaMixer(nn.Module):
         dt = nn.functional.softplus(self.dt_proj(dt).float())  # (batch, seq, d_inner), float32
         if mask is not None:
             dt = dt * mask  # a zero step leaves the state as it was: padding neither decays nor feeds it
-        A = -torch.exp(self.A_log.float())  # (d_inner, d_state)
+        A = self.decay_rates()  # (d_inner, d_state)
         y, ssm_state = selective_scan(x, dt, A, B, C, self.D, None if return_memory else z, ssm_state)
         if past_key_values is not None:
             past_key_values.update_recurrent_state(ssm_state, self.layer_idx)
         if return_memory:
             return self.out_proj(y * self.act(z)), y
         return self.out_proj(y)
+
+
+    def decay_rates(self) -> torch.Tensor:
+        """A = -exp(A_log), float32. Without autograd it is kept between calls while A_log is unchanged (same storage,
+        same version): a decoding step would otherwise spend about 0.1 ms per layer on d_inner x d_state exps."""
+        A_log = self.A_log
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return -torch.exp(A_log.float())
+        key = (A_log.data_ptr(), A_log._version, A_log.device, A_log.dtype)
+        if getattr(self, "_decay_key", None) != key:
+            self._decay, self._decay_key = -torch.exp(A_log.float()), key
+        return self._decay
 
 
 class SambaGatedRMSNorm(nn.Module):
@@ -507,7 +542,7 @@ class SambaMamba2Mixer(nn.Module):
         self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.ssm_state_size  # x, B, C
         self.act = ACT2FN[config.hidden_act]
 
-        self.in_proj = nn.Linear(
+        self.in_proj = SambaLinear(
             config.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias=config.mamba_proj_bias
         )
         self.conv1d = nn.Conv1d(
@@ -522,7 +557,7 @@ class SambaMamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = SambaGatedRMSNorm(self.intermediate_size, self.intermediate_size // self.n_groups, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mamba_proj_bias)
+        self.out_proj = SambaLinear(self.intermediate_size, config.hidden_size, bias=config.mamba_proj_bias)
         self.out_proj.is_residual_output = True
 
     def forward(
@@ -570,9 +605,9 @@ class SambaMLP(nn.Module):
     def __init__(self, config: SambaConfig):
         super().__init__()
         if config.mlp_gated:
-            self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+            self.gate_proj = SambaLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = SambaLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = SambaLinear(config.intermediate_size, config.hidden_size, bias=False)
         self.down_proj.is_residual_output = True
         self.act_fn = ACT2FN[config.mlp_hidden_act or config.hidden_act]
         self.gated = config.mlp_gated
@@ -1019,7 +1054,7 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = SambaModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = SambaLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     @can_return_tuple
@@ -1167,7 +1202,7 @@ from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)  # or `import samba_hf` first
 ```
 
-The folder carries its own modeling code (`modeling_samba.py`, `configuration_samba.py`, `ssm_samba.py`), so
+The folder carries its own modeling code (`modeling_samba.py`, `configuration_samba.py`, `ssm_samba.py`, `linear_samba.py`), so
 `trust_remote_code=True` works without the samba-hf package.
 """
 

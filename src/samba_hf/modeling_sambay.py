@@ -36,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
 from .configuration_sambay import SambaYConfig
+from .linear_samba import SambaLinear
 from .modeling_samba import (
     SambaForCausalLM,
     SambaMambaMixer,
@@ -119,8 +120,8 @@ class SambaYAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         width = self.num_heads + (0 if self.block == "cross_attention" else 2 * self.num_kv_heads)
-        self.Wqkv = nn.Linear(config.hidden_size, width * self.head_dim, bias=True)
-        self.out_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=True)
+        self.Wqkv = SambaLinear(config.hidden_size, width * self.head_dim, bias=True)
+        self.out_proj = SambaLinear(self.num_heads * self.head_dim, config.hidden_size, bias=True)
         window = config.sliding_window if self.block == "sliding_attention" else None
         self.inner_cross_attn = SambaYDifferentialAttention(config, layer_idx, window)
 
@@ -155,8 +156,8 @@ class SambaYGatedMemoryUnit(nn.Module):
 
     def __init__(self, config: SambaYConfig):
         super().__init__()
-        self.in_proj = nn.Linear(config.hidden_size, config.mamba_d_inner, bias=False)
-        self.out_proj = nn.Linear(config.mamba_d_inner, config.hidden_size, bias=False)
+        self.in_proj = SambaLinear(config.hidden_size, config.mamba_d_inner, bias=False)
+        self.out_proj = SambaLinear(config.mamba_d_inner, config.hidden_size, bias=False)
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, hidden_states: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
@@ -168,8 +169,8 @@ class SambaYMLP(nn.Module):
 
     def __init__(self, config: SambaYConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fc1 = SambaLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.fc2 = SambaLinear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -314,7 +315,7 @@ class SambaYForCausalLM(SambaYPreTrainedModel, SambaForCausalLM):
         SambaYPreTrainedModel.__init__(self, config)
         self.model = SambaYModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = SambaLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def cache_nbytes(self, batch_size: int = 1, seq_len: int | None = None, dtype: torch.dtype | None = None) -> int:

@@ -122,7 +122,7 @@ def selective_scan(
             return _step_with_kernel(state_update_fn, u, dt, A, B, C, D, z, h0)
         if scan_fn is None:
             logger.warning_once("samba-hf: mamba-ssm is not installed; the Mamba scan runs in PyTorch (slower on GPU)")
-    elif u.device.type == "cpu" and _cpu_scan_library() is not None:
+    elif u.device.type == "cpu" and cpu_scan_available():
         return selective_scan_cpu(u, dt, A, B, C, D, z, h0)
     return selective_scan_pytorch(u, dt, A, B, C, D, z, h0)
 
@@ -543,8 +543,17 @@ def _cpu_scan_library():
     return _CPU_SCAN or None
 
 
+@torch.compiler.assume_constant_result  # under torch.compile: asked once while tracing, not traced into
+def cpu_scan_available() -> bool:
+    return _cpu_scan_library() is not None
+
+
 def _build_cpu_scan() -> str:
-    """Compile `_CPU_SCAN_SOURCE` for this machine, once: the library's path in the cache. The name hashes the source,
+    return build_c_library(_CPU_SCAN_SOURCE, "selective_scan")
+
+
+def build_c_library(source_text: str, name: str) -> str:
+    """Compile a C source for this machine, once: the library's path in the cache. The name hashes the source,
     the compiler and the CPU, so a cache shared between machines never hands one a library built for another; the
     file is written under a temporary name and renamed, so concurrent builds never load a half-written one."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -556,25 +565,25 @@ def _build_cpu_scan() -> str:
             cpu += "".join(line for line in info if line.startswith(("flags", "model name")))
     except OSError:
         pass
-    key = hashlib.sha256("\0".join([_CPU_SCAN_SOURCE, compiler, cpu]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source_text, compiler, cpu]).encode()).hexdigest()[:16]
     cache = os.environ.get("SAMBA_HF_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "samba_hf"
     )
-    path = os.path.join(cache, f"selective_scan_{key}.so")
+    path = os.path.join(cache, f"{name}_{key}.so")
     if os.path.exists(path):
         return path
     os.makedirs(cache, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as build:
-        source = os.path.join(build, "scan.c")
+        source = os.path.join(build, f"{name}.c")
         with open(source, "w") as f:
-            f.write(_CPU_SCAN_SOURCE)
+            f.write(source_text)
         base = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
         errors = []
         for flags in (["-march=native", *base], base):  # a compiler without -march=native still gets a build
-            result = subprocess.run([compiler, *flags, source, "-o", os.path.join(build, "scan.so"), "-lpthread"],
+            result = subprocess.run([compiler, *flags, source, "-o", os.path.join(build, f"{name}.so"), "-lpthread"],
                                     capture_output=True, text=True, timeout=300)
             if result.returncode == 0:
-                os.replace(os.path.join(build, "scan.so"), path)
+                os.replace(os.path.join(build, f"{name}.so"), path)
                 return path
             errors.append(result.stderr.strip().splitlines()[-1:] or [f"exit {result.returncode}"])
         raise RuntimeError(f"{compiler} failed: {errors[-1][0]}")
