@@ -1,7 +1,7 @@
 """Decoding speed, third round (#21): eager against compiled, transformers' window against the in-place one.
 
     python benchmarks/decode_speed.py --out benchmarks/results/decode_speed.json [--dtypes float32,bfloat16]
-                                      [--contexts 1024,16384] [--steps 20] [--repeats 3] [--parts steps,default]
+                                      [--contexts 1024,16384] [--steps 20] [--repeats 3] [--parts steps,default,kernels]
 
 1. The ~113M Samba and Llama of `run_benchmarks.py` (random weights, batch 1): the median one-token step at each
    context, every (model, cache, context) stepped in turn after 3 warm-up steps (the compiled ones compile there).
@@ -13,6 +13,8 @@
 2. The embedded default model through `samba-hf generate` (200 greedy tokens, the figure it prints), eager and
    with `--compile`, against a transformers Llama of the same shape and parameter count through `generate`, eager
    and compiled by the same switches; each a fresh process, alternated `--repeats` times, medians.
+3. The matrix-vector kernel alone: every linear of the 113M Samba on one token, through the kernel and through
+   nn.Linear; and one query's sdpa over 1023 keys in the dtype and in float32.
 Dtypes: float32, plus bfloat16 where this CPU multiplies it natively (the rule of `--dtype auto`).
 """
 
@@ -118,6 +120,39 @@ def decode_steps(dtype: torch.dtype, contexts: list[int], steps: int) -> dict:
     }
 
 
+def kernels(dtype: torch.dtype, repeats: int = 7) -> dict:
+    """ms: every linear of the 113M Samba on one token, one after another (the weights stream from memory as in a
+    step), through the matrix-vector kernel and through nn.Linear, interleaved; and one query's sdpa over 1023 cached
+    keys (12 heads, 4 key/value heads) in this dtype and in float32."""
+    from samba_hf import linear_samba
+    from samba_hf.linear_samba import SambaLinear
+
+    model = build("samba", "cpu", dtype)
+    layers = [module for module in model.modules() if isinstance(module, SambaLinear)]
+    inputs = [torch.randn(1, layer.in_features).to(dtype) for layer in layers]
+    times = {"linears, kernel": [], "linears, nn.Linear": []}
+    query = torch.randn(1, 12, 1, HEAD_DIM).to(dtype)
+    keys, values = torch.randn(1, KV_HEADS, 1023, HEAD_DIM).to(dtype), torch.randn(1, KV_HEADS, 1023, HEAD_DIM).to(dtype)
+    attend = torch.nn.functional.scaled_dot_product_attention
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for name in times:
+                start = time.perf_counter()
+                for layer, x in zip(layers, inputs):
+                    layer(x) if name.endswith("kernel") else torch.nn.functional.linear(x, layer.weight, layer.bias)
+                times[name].append(time.perf_counter() - start)
+        for name, (q, k, v) in {f"sdpa, one query, {str(dtype)[6:]}": (query, keys, values),
+                                "sdpa, one query, float32": (query.float(), keys.float(), values.float())}.items():
+            times[name] = []
+            for _ in range(50):
+                start = time.perf_counter()
+                attend(q, k, v, enable_gqa=True)
+                times[name].append(time.perf_counter() - start)
+    result = {name: 1e3 * statistics.median(values) for name, values in times.items()}
+    result["kernel available"] = linear_samba.gemv_available()
+    return result
+
+
 LLAMA_STEPS = """
 import statistics, sys, time, torch
 from transformers import AutoConfig, CompileConfig, LlamaConfig, LlamaForCausalLM
@@ -181,15 +216,16 @@ def main():
     parser.add_argument("--contexts", default="1024,16384")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--parts", default="steps,default", help="steps (the 113M models), default (the embedded "
-                        "default through samba-hf generate), or both")
+    parser.add_argument("--parts", default="steps,default,kernels", help="steps (the 113M models' decode step), "
+                        "default (the embedded default through samba-hf generate), kernels (the 113M Samba's linears "
+                        "through the kernel and nn.Linear; one query's sdpa)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.out is not None and not args.out.parent.is_dir():
         parser.error(f"--out: the folder {args.out.parent} does not exist")
     parts = args.parts.split(",")
-    if not parts or set(parts) - {"steps", "default"}:
-        parser.error(f"--parts: give steps, default or both, got {args.parts!r}")
+    if not parts or set(parts) - {"steps", "default", "kernels"}:
+        parser.error(f"--parts: give some of steps, default, kernels, got {args.parts!r}")
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be at least 1")
     dtypes = args.dtypes.split(",") if args.dtypes else default_dtypes("cpu")
@@ -206,6 +242,8 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "window": WINDOW, "results": {}}
     for dtype in dtypes:
         result = decode_steps(getattr(torch, dtype), contexts, args.steps) if "steps" in parts else {}
+        if "kernels" in parts:
+            result["kernels_ms"] = kernels(getattr(torch, dtype))
         if "default" in parts:
             result["default_model_tokens_per_s"] = default_model(dtype, args.repeats)
         report["results"][dtype] = result

@@ -97,9 +97,9 @@ class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
     """transformers' sliding-window key/value cache layer, written in place. `DynamicSlidingWindowLayer` concatenates
     (copies) the whole window on every step; here the kept `sliding_window - 1` positions sit at the front of a
     buffer with `window_slack` free positions after them, a step writes its new positions there and returns a view
-    of [kept | new]. When the slack is used up the kept positions move back to the front (or, while the window is
-    still filling, into a larger buffer): one copy of the window every `window_slack` steps instead of one per step,
-    for 1/16 of the window more memory. The first step also lets go of the prompt's keys and values, of which
+    of [kept | new]. When the room is used up the kept positions move back to the front: one copy of the window every
+    `window_slack` steps instead of one per step, for 1/16 of the window more memory. The buffer is allocated whole
+    at the first decoding step (as a static cache's). The first step also lets go of the prompt's keys and values, of which
     transformers' layer keeps a view. Whatever replaced `keys` / `values`
     meanwhile (beam reordering, cropping, batch selection) is taken as the new contents. A step of more new positions
     than the slack (a prompt, a long chunk), and assisted decoding's recorded past, go through transformers' path."""
@@ -111,16 +111,12 @@ class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
         kept = getattr(self, "_kept", (None, None))
         if self.keys is not kept[0] or self.values is not kept[1]:  # first step, or replaced from outside
             self._seed()
-        keys, values = self._buffer  # (batch, heads, at most sliding_window - 1 + slack, head_dim)
-        if self._end + new > keys.shape[-2]:  # the slack is used up
+        keys, values = self._buffer  # (batch, heads, sliding_window - 1 + slack, head_dim)
+        if self._end + new > keys.shape[-2]:  # the room is used up: move the kept positions to the front
             kept = self._end - self._start
-            if kept + new > keys.shape[-2]:  # the window is still filling: a larger buffer
-                self._seed()
-                keys, values = self._buffer
-            else:  # move the kept positions to the front
-                keys[..., :kept, :] = keys[..., self._start : self._end, :].clone()
-                values[..., :kept, :] = values[..., self._start : self._end, :].clone()
-                self._start, self._end = 0, kept
+            keys[..., :kept, :] = keys[..., self._start : self._end, :].clone()
+            values[..., :kept, :] = values[..., self._start : self._end, :].clone()
+            self._start, self._end = 0, kept
         keys[..., self._end : self._end + new, :] = key_states
         values[..., self._end : self._end + new, :] = value_states
         visible = (keys[..., self._start : self._end + new, :], values[..., self._start : self._end + new, :])
@@ -132,9 +128,10 @@ class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
         return visible
 
     def _seed(self):
-        """A fresh buffer holding the current `keys` / `values` at its front, and room for `window_slack` more."""
+        """A fresh buffer, `sliding_window - 1 + window_slack` positions long, holding the current `keys` / `values`
+        at its front."""
         batch, heads, length, head_dim = self.keys.shape
-        positions = min(length, self.sliding_window - 1) + window_slack(self.sliding_window)
+        positions = self.sliding_window - 1 + window_slack(self.sliding_window)
         self._buffer = (self.keys.new_empty(batch, heads, positions, head_dim),
                         self.values.new_empty(batch, heads, positions, self.values.shape[-1]))
         self._buffer[0][..., :length, :] = self.keys
@@ -1124,10 +1121,11 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         Per Mamba layer: one conv window (batch, d_inner, d_conv) in the model dtype and one SSM state
         (batch, d_inner, d_state) in float32, whatever the length; per Mamba-2 layer the conv window covers x, B and C
         (batch, d_inner + 2 * groups * d_state, d_conv) and the state is (batch, heads, head_dim, d_state), float32.
-        "mlp" layers keep nothing. Per sliding layer: keys and values for at most `sliding_window - 1` positions,
-        in a buffer with `window_slack` positions of room (`SambaSlidingWindowLayer`). Per full-attention layer: keys
-        and values for all `seq_len` positions. Counted as storage, from the first decoding step on (after a prompt
-        and before that step, a sliding layer still holds the prompt's keys and values, as transformers' layer does).
+        "mlp" layers keep nothing. Per sliding layer: a buffer of `sliding_window - 1 + window_slack` positions of
+        keys and values, whatever the length (`SambaSlidingWindowLayer` allocates it whole at the first decoding
+        step). Per full-attention layer: keys and values for all `seq_len` positions. Counted as storage, from the
+        first decoding step on (after a prompt and before that step, a sliding layer still holds the prompt's keys
+        and values, as transformers' layer does).
         `seq_len=None` means "any length past the window" (the size a Samba layout never exceeds); it is an error
         for layouts with full-attention layers, whose cache has no bound.
         """
@@ -1145,9 +1143,7 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
             elif kind == "mlp":
                 continue
             elif kind == "sliding_attention":
-                window = config.sliding_window - 1
-                kept = window if seq_len is None else min(seq_len, window)
-                total += kv_per_position * (kept + window_slack(config.sliding_window))
+                total += kv_per_position * (config.sliding_window - 1 + window_slack(config.sliding_window))
             elif seq_len is None:
                 raise ValueError("this layout has full-attention layers, whose cache grows with length: pass seq_len")
             else:

@@ -320,8 +320,8 @@ class SambaYForCausalLM(SambaYPreTrainedModel, SambaForCausalLM):
 
     def cache_nbytes(self, batch_size: int = 1, seq_len: int | None = None, dtype: torch.dtype | None = None) -> int:
         """Bytes held by the generation cache once `seq_len` tokens have been seen: per self-decoder Mamba layer
-        (and layer L/2) a conv window and a float32 SSM state; per sliding layer at most `sliding_window - 1`
-        positions of keys and values and `window_slack` positions of room; layer L/2 + 1's keys and values for all `seq_len` positions, which is all
+        (and layer L/2) a conv window and a float32 SSM state; per sliding layer a buffer of `sliding_window - 1`
+        positions of keys and values and `window_slack` of room; layer L/2 + 1's keys and values for all `seq_len` positions, which is all
         that grows (2 * kv_heads * head_dim * element bytes per token); nothing for the cross-decoder."""
         if seq_len is None:
             raise ValueError("SambaY keeps one full key/value cache (layer L/2 + 1), which grows: pass seq_len")
@@ -330,7 +330,7 @@ class SambaYForCausalLM(SambaYPreTrainedModel, SambaForCausalLM):
         kv_per_position = 2 * batch_size * config.num_key_value_heads * config.head_dim * element
         mamba = batch_size * config.mamba_d_inner * (config.mamba_d_conv * element + config.mamba_d_state * 4)
         per_block = {"mamba": mamba, "memory": mamba, "gmu": 0, "cross_attention": 0,
-                     "sliding_attention": kv_per_position * (min(seq_len, config.sliding_window - 1)
+                     "sliding_attention": kv_per_position * (config.sliding_window - 1
                                                              + window_slack(config.sliding_window)),
                      "full_attention": kv_per_position * seq_len}
         return sum(per_block[block] for block in config.block_types)
