@@ -126,9 +126,10 @@ class PasskeySamples(torch.utils.data.Dataset):
     """Passkey prompts followed by their answer, of `min_length` to `length` tokens, the key at a random depth.
     The loss is on every token (`answer_only`: on the answer's alone). Sample i is the same in every run."""
 
-    def __init__(self, tokenizer, count: int, length: int, min_length: int, answer_only: bool = False):
+    def __init__(self, tokenizer, count: int, length: int, min_length: int, answer_only: bool = False,
+                 min_key_distance: int = 0):
         self.tokenizer, self.count, self.length, self.min_length = tokenizer, count, length, min_length
-        self.answer_only = answer_only
+        self.answer_only, self.min_key_distance = answer_only, min_key_distance
 
     def __len__(self):
         return self.count
@@ -138,7 +139,15 @@ class PasskeySamples(torch.utils.data.Dataset):
         key = random_digits(rng, 5)
         target = self.tokenizer(" " + key + ".", add_special_tokens=False).input_ids
         length = rng.randint(self.min_length, self.length)
-        prompt = passkey_prompt(self.tokenizer, length - len(target), rng.random(), key)
+        prompt = passkey_prompt(self.tokenizer, length - len(target), 0.0, key)  # the key as far back as it goes
+        if len(prompt.input_ids) - prompt.answer_start < self.min_key_distance:
+            raise ValueError(f"a {length}-token prompt cannot put the key {self.min_key_distance} tokens from its end: "
+                             "raise --passkey-min-length or lower --min-key-distance")
+        for _ in range(100):  # min_key_distance: a random depth that keeps the key that far from the end
+            candidate = passkey_prompt(self.tokenizer, length - len(target), rng.random(), key)
+            if len(candidate.input_ids) - candidate.answer_start >= self.min_key_distance:
+                prompt = candidate
+                break
         ids = prompt.input_ids + target
         labels = [-100] * len(prompt.input_ids) + target if self.answer_only else ids
         return {"input_ids": ids, "labels": labels}
@@ -163,7 +172,9 @@ def run_trainer(model, dataset, steps: int, lr: float, batch_size: int, collator
         use_cpu=not torch.cuda.is_available(),
     )
     start = time.perf_counter()
-    Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator).train()
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    trainer.train()
+    run_trainer.logged_losses = [entry for entry in trainer.state.log_history if "loss" in entry]
     return (time.perf_counter() - start) / 60
 
 
@@ -204,19 +215,27 @@ def pretrain(args):
 def finetune(args):
     """Passkey fine-tuning of the pretrained model (ARCH-base) at the training length."""
     torch.manual_seed(0)
-    base = WORK / f"{args.arch}-base"
+    base = Path(args.start_from) if args.start_from else WORK / f"{args.arch}-base"
     tokenizer, model = AutoTokenizer.from_pretrained(base), AutoModelForCausalLM.from_pretrained(base,
                                                                                                  dtype=torch.float32)
     report = json.loads((base / "training_report.json").read_text())
+    if args.window is not None:  # a narrower window than pretraining: less reach for attention
+        model.config.sliding_window = args.window
+        report.update(window=args.window, window_changed_from=report.get("window"))
+    if args.start_from:
+        report["passkey_started_from"] = str(args.start_from)
     model.train()
     samples = PasskeySamples(tokenizer, args.passkey_steps * args.passkey_batch_size, TRAINING_LENGTH,
-                             args.passkey_min_length, answer_only=args.answer_only)
+                             args.passkey_min_length, answer_only=args.answer_only,
+                             min_key_distance=args.min_key_distance)
+    report["passkey_min_key_distance"] = args.min_key_distance
     minutes = run_trainer(model, samples, args.passkey_steps, args.passkey_lr, args.passkey_batch_size,
                           collator=lambda batch: pad_right(batch, tokenizer.pad_token_id))
     report.update(passkey_steps=args.passkey_steps, passkey_batch_size=args.passkey_batch_size, passkey_minutes=round(minutes, 1), passkey_device=DEVICE,
                   passkey_lr=args.passkey_lr, passkey_lengths=[args.passkey_min_length, TRAINING_LENGTH],
                   passkey_loss="answer" if args.answer_only else "all tokens",
-                  passkey_command=shlex.join(["python", "examples/long_context.py", *sys.argv[1:]]))
+                  passkey_command=shlex.join(["python", "examples/long_context.py", *sys.argv[1:]]),
+                  passkey_logged_losses=run_trainer.logged_losses)
     model.eval()
     check = passkey_eval(model, tokenizer, [TRAINING_LENGTH, 4 * TRAINING_LENGTH], [0.0, 0.5, 1.0], trials=4, seed=1)
     report["passkey_check"] = {c["length"]: c["accuracy"] for c in check["cells"] if c["depth"] == 0.0}
@@ -238,15 +257,16 @@ def evaluate(args):
     perplexities = {}
     for arch in args.archs.split(","):
         if "passkey" in args.tasks:
-            folder = WORK / f"{arch}-passkey"
+            folder = WORK / f"{arch}-passkey{args.suffix}"
             tokenizer, model = AutoTokenizer.from_pretrained(folder), load(folder)
             start = time.perf_counter()
             result = passkey_eval(model, tokenizer, lengths, depths, trials=args.trials, seed=args.seed,
                                   prefill_chunk_size=args.prefill_chunk_size, progress=True)
             result.update(model=arch, command=command, minutes=round((time.perf_counter() - start) / 60, 1),
                           device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-            (RESULTS / f"passkey_{arch}.json").write_text(json.dumps(result, indent=1) + "\n")
-            plot_passkey(result, RESULTS / f"passkey_{arch}.png", f"{arch}: passkey accuracy (%), trained at 512")
+            (RESULTS / f"passkey_{arch}{args.suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
+            plot_passkey(result, RESULTS / f"passkey_{arch}{args.suffix}.png",
+                         f"{arch}{args.suffix}: passkey accuracy (%), trained at 512")
             print(arch, "passkey", {c["length"]: c["accuracy"] for c in result["cells"] if c["depth"] == 0.0},
                   flush=True)
         if "perplexity" in args.tasks:
@@ -437,6 +457,10 @@ def main():
         p.add_argument("--answer-only", action="store_true", help="fine-tune with the loss on the answer alone")
         p.add_argument("--suffix", default="", help="written to ARCH-passkeySUFFIX (trying recipes)")
         p.add_argument("--bf16", action="store_true", help="store the fine-tuned weights in bfloat16")
+        p.add_argument("--start-from", default=None, help="fine-tune this model folder instead of ARCH-base")
+        p.add_argument("--window", type=int, default=None, help="fine-tune with this sliding window (samba, mistral)")
+        p.add_argument("--min-key-distance", type=int, default=0,
+                       help="fine-tuning prompts put the key at least this many tokens before their end")
     p = commands.add_parser("evaluate", help="passkey and perplexity of the trained models")
     p.add_argument("--archs", default="samba,mistral,llama")
     p.add_argument("--tasks", default="passkey,perplexity,phonebook")
@@ -447,6 +471,7 @@ def main():
     p.add_argument("--prefill-chunk-size", type=int, default=2048)
     p.add_argument("--ppl-length", type=int, default=32768)
     p.add_argument("--orders", type=int, default=1)
+    p.add_argument("--suffix", default="", help="evaluate ARCH-passkeySUFFIX; results as passkey_ARCHSUFFIX.json")
     commands.add_parser("plot", help="redraw the combined figures from long_context/*.json")
     p = commands.add_parser("ship", help="write the passkey Samba into the package")
     p.add_argument("--out", default="src/samba_hf/passkey_model")
