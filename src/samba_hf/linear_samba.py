@@ -8,7 +8,7 @@ AVX-512 FMAs (float32) or AVX512-BF16 dot products (bfloat16 weights; converted 
 them), accumulating in float32, on the calling thread: one core streams the weights at 40+ GB/s here, and a second
 thread of ours would compete with PyTorch's OpenMP threads, which spin for a while after each of its operations
 (measured: slower). It runs when: a CPU with AVX-512, inference (no gradient wanted), 1 to `MAX_TOKENS` tokens, float32 or bfloat16
-weights and input of the same dtype, the C library built (as the scan's, `ssm_samba.build_c_library`). Everything
+weights and input of the same dtype, the C library built (as the scan's, `ssm_samba.load_c_library`). Everything
 else, and `SAMBA_HF_GEMV=pytorch`, calls `nn.Linear.forward`. Under `torch.compile` it is the operator
 `torch.ops.samba_hf.gemv_cpu` (inference only), which dynamo keeps as one call.
 
@@ -16,14 +16,12 @@ Part of the remote code of a saved model: imports only torch, transformers and i
 """
 
 import ctypes
-import os
-import subprocess
 
 import torch
 from torch import nn
 from transformers.utils import logging
 
-from .ssm_samba import build_c_library
+from .ssm_samba import load_c_library
 
 logger = logging.get_logger(__name__)
 
@@ -136,16 +134,9 @@ def _gemv_library():
     global _CPU_GEMV
     if _CPU_GEMV is None:
         _CPU_GEMV = False
-        choice = os.environ.get("SAMBA_HF_GEMV", "").lower()
-        if choice == "pytorch":
-            return None
-        if choice not in ("", "compiled"):
-            logger.warning_once(f"samba-hf: SAMBA_HF_GEMV={choice!r} is not 'compiled' or 'pytorch'; using the "
-                                "compiled kernel")
-        try:
-            library = ctypes.CDLL(build_c_library(_CPU_GEMV_SOURCE, "gemv"))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            logger.warning_once(f"samba-hf: the CPU matrix-vector kernel is unavailable ({error}); using nn.Linear")
+        library = load_c_library(_CPU_GEMV_SOURCE, "gemv", "SAMBA_HF_GEMV", "the CPU matrix-vector kernel",
+                                 "nn.Linear")
+        if library is None:
             return None
         if not library.samba_gemv_has_avx512():  # PyTorch's product is as good as plain C there
             return None

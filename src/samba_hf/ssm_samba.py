@@ -523,16 +523,9 @@ def _cpu_scan_library():
     global _CPU_SCAN
     if _CPU_SCAN is None:
         _CPU_SCAN = False
-        choice = os.environ.get("SAMBA_HF_SCAN", "").lower()
-        if choice == "pytorch":
-            return None
-        if choice not in ("", "compiled"):
-            logger.warning_once(f"samba-hf: SAMBA_HF_SCAN={choice!r} is not 'compiled' or 'pytorch'; using the "
-                                "compiled scan")
-        try:
-            library = ctypes.CDLL(_build_cpu_scan())
-        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            logger.warning_once(f"samba-hf: the compiled CPU scan is unavailable ({error}); using the PyTorch scan")
+        library = load_c_library(_CPU_SCAN_SOURCE, "selective_scan", "SAMBA_HF_SCAN", "the compiled CPU scan",
+                                 "the PyTorch scan")
+        if library is None:
             return None
         sizes = [ctypes.c_int] * 5  # threads, batch, seq_len, d_inner, d_state
         library.samba_scan_forward.argtypes = sizes + [ctypes.c_void_p] * 10  # u dt A B C D z h y checkpoints
@@ -548,8 +541,19 @@ def cpu_scan_available() -> bool:
     return _cpu_scan_library() is not None
 
 
-def _build_cpu_scan() -> str:
-    return build_c_library(_CPU_SCAN_SOURCE, "selective_scan")
+def load_c_library(source_text: str, name: str, variable: str, what: str, fallback: str):
+    """The ctypes library built from `source_text` (`build_c_library`), or None: where `$variable` is "pytorch",
+    or where it cannot be built or loaded (said once: `what` is unavailable, using `fallback`)."""
+    choice = os.environ.get(variable, "").lower()
+    if choice == "pytorch":
+        return None
+    if choice not in ("", "compiled"):
+        logger.warning_once(f"samba-hf: {variable}={choice!r} is not 'compiled' or 'pytorch'; using {what}")
+    try:
+        return ctypes.CDLL(build_c_library(source_text, name))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        logger.warning_once(f"samba-hf: {what} is unavailable ({error}); using {fallback}")
+        return None
 
 
 def build_c_library(source_text: str, name: str) -> str:
