@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments)
@@ -153,6 +154,37 @@ class PasskeySamples(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
+class TimeStretch:
+    """Fine-tuning augmentation for the Mamba layers: each training step multiplies every step size dt by a factor k
+    drawn log-uniformly from [1, `max_factor`]. In Mamba's zero-order-hold discretization a token whose dt is k times
+    larger acts as that token held for k steps (exp(k dt A) decays the state, k dt B x writes it), so a 512-token
+    prompt stands for one up to k times longer, in the Mamba layers only. Keeping a key over k times the distance is
+    then what the loss asks for. Hooks on `dt_proj` of every Mamba layer; `remove()` takes them off. The model
+    itself is unchanged: what is saved and evaluated runs with k = 1."""
+
+    def __init__(self, model, max_factor: float, seed: int = 0):
+        self.rng, self.log_max, self.factor = random.Random(f"stretch-{seed}"), math.log(max_factor), 1.0
+        mixers = [m for m in model.modules() if hasattr(m, "dt_proj") and hasattr(m, "A_log")]
+        if not mixers:
+            raise ValueError("--stretch-dt needs a model with Mamba layers (samba)")
+        self.handles = [model.register_forward_pre_hook(self.draw)]
+        self.handles += [m.dt_proj.register_forward_hook(self.stretch) for m in mixers]
+
+    def draw(self, module, args):
+        self.factor = math.exp(self.rng.uniform(0.0, self.log_max)) if module.training else 1.0
+
+    def stretch(self, module, args, pre):
+        """Returns p' with softplus(p') = k softplus(p): the inverse softplus of the stretched step."""
+        if self.factor == 1.0:
+            return None
+        dt = self.factor * nn.functional.softplus(pre.float())
+        return torch.where(dt > 20, dt, torch.log(torch.expm1(dt.clamp(1e-20, 20)))).to(pre.dtype)
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
 def pad_right(batch, pad_id: int):
     """Right padding (pad tokens come after every real one, so a causal model's loss is unchanged), labels -100."""
     width = max(len(b["input_ids"]) for b in batch)
@@ -164,10 +196,10 @@ def pad_right(batch, pad_id: int):
     return {"input_ids": ids, "labels": labels}
 
 
-def run_trainer(model, dataset, steps: int, lr: float, batch_size: int, collator=None) -> float:
+def run_trainer(model, dataset, steps: int, lr: float, batch_size: int, collator=None, weight_decay: float = 0.1) -> float:
     args = TrainingArguments(
         output_dir=str(WORK / "trainer"), max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
-        lr_scheduler_type="cosine", warmup_steps=max(1, steps // 10), weight_decay=0.1, adam_beta2=0.95,
+        lr_scheduler_type="cosine", warmup_steps=max(1, steps // 10), weight_decay=weight_decay, adam_beta2=0.95,
         max_grad_norm=1.0, logging_steps=25, save_strategy="no", report_to=[], seed=0, dataloader_drop_last=True,
         use_cpu=not torch.cuda.is_available(),
     )
@@ -223,16 +255,26 @@ def finetune(args):
         model.config.sliding_window = args.window
         report.update(window=args.window, window_changed_from=report.get("window"))
     if args.start_from:
+        if "passkey_command" in report:  # an earlier passkey stage: keep its record
+            earlier = {k: v for k, v in report.items() if k.startswith("passkey_") and k != "passkey_stages"}
+            report["passkey_stages"] = report.get("passkey_stages", []) + [earlier]
+            for k in earlier:
+                del report[k]
         report["passkey_started_from"] = str(args.start_from)
+    stretch = TimeStretch(model, args.stretch_dt) if args.stretch_dt > 1 else None
     model.train()
     samples = PasskeySamples(tokenizer, args.passkey_steps * args.passkey_batch_size, TRAINING_LENGTH,
                              args.passkey_min_length, answer_only=args.answer_only,
                              min_key_distance=args.min_key_distance)
     report["passkey_min_key_distance"] = args.min_key_distance
     minutes = run_trainer(model, samples, args.passkey_steps, args.passkey_lr, args.passkey_batch_size,
-                          collator=lambda batch: pad_right(batch, tokenizer.pad_token_id))
+                          collator=lambda batch: pad_right(batch, tokenizer.pad_token_id),
+                          weight_decay=args.passkey_weight_decay)
+    if stretch is not None:
+        stretch.remove()
+        report["passkey_stretch_dt"] = args.stretch_dt
     report.update(passkey_steps=args.passkey_steps, passkey_batch_size=args.passkey_batch_size, passkey_minutes=round(minutes, 1), passkey_device=DEVICE,
-                  passkey_lr=args.passkey_lr, passkey_lengths=[args.passkey_min_length, TRAINING_LENGTH],
+                  passkey_lr=args.passkey_lr, passkey_weight_decay=args.passkey_weight_decay, passkey_lengths=[args.passkey_min_length, TRAINING_LENGTH],
                   passkey_loss="answer" if args.answer_only else "all tokens",
                   passkey_command=shlex.join(["python", "examples/long_context.py", *sys.argv[1:]]),
                   passkey_logged_losses=run_trainer.logged_losses)
@@ -260,13 +302,18 @@ def evaluate(args):
             folder = WORK / f"{arch}-passkey{args.suffix}"
             tokenizer, model = AutoTokenizer.from_pretrained(folder), load(folder)
             start = time.perf_counter()
-            result = passkey_eval(model, tokenizer, lengths, depths, trials=args.trials, seed=args.seed,
-                                  prefill_chunk_size=args.prefill_chunk_size, progress=True)
+            if args.prompts == "evaluation":
+                result = passkey_eval(model, tokenizer, lengths, depths, trials=args.trials, seed=args.seed,
+                                      prefill_chunk_size=args.prefill_chunk_size, progress=True)
+            else:
+                result = independent_passkey_eval(model, tokenizer, lengths, depths, args.trials, args.seed,
+                                                  args.prompts)
             result.update(model=arch, command=command, minutes=round((time.perf_counter() - start) / 60, 1),
                           device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-            (RESULTS / f"passkey_{arch}{args.suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
-            plot_passkey(result, RESULTS / f"passkey_{arch}{args.suffix}.png",
-                         f"{arch}{args.suffix}: passkey accuracy (%), trained at 512")
+            name = f"passkey_{arch}{args.suffix}" + ("" if args.prompts == "evaluation" else f"_{args.prompts}")
+            (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+            plot_passkey(result, RESULTS / f"{name}.png", f"{arch}{args.suffix}: passkey accuracy (%), trained at 512"
+                         + ("" if args.prompts == "evaluation" else f", filler: {args.prompts}"))
             print(arch, "passkey", {c["length"]: c["accuracy"] for c in result["cells"] if c["depth"] == 0.0},
                   flush=True)
         if "perplexity" in args.tasks:
@@ -378,6 +425,89 @@ def tables(results) -> str:
     return "\n".join(lines)
 
 
+# The independent check: passkey prompts built here, not by samba_hf.evaluation. The paper's format (instruction,
+# filler, key sentence, filler, question), written as one string and tokenized whole; the filler is other text than
+# the fine-tuning's; keys from another seed; greedy decoding through a loop of our own.
+OTHER_FILLER = (" The river runs down to the sea. Birds sing in the old trees. The road is long and quiet."
+                " Night follows the day. Snow falls on the far hills.")
+
+
+def filler_sentences(kind: str) -> list[str]:
+    """`other`: five fixed sentences never seen in fine-tuning. `text`: every sentence (8-40 words, digits removed)
+    of the unseen documents (`long_text_documents`), in order, so the filler never repeats within 32K tokens."""
+    if kind == "other":
+        return [" " + s.strip() + "." for s in OTHER_FILLER.split(".") if s.strip()]
+    import re
+
+    sentences = []
+    for doc in long_text_documents():
+        for sentence in re.split(r"(?<=[.!?])\s+", re.sub(r"\s+", " ", re.sub(r"\d", "", doc))):
+            if 8 <= len(sentence.split()) <= 40 and sentence.endswith("."):
+                sentences.append(" " + sentence.strip())
+    return sentences
+
+
+def independent_prompt(tokenizer, sentences: list[str], length: int, depth: float, key: str, start: int) -> str:
+    """A passkey prompt of at most `length` tokens: the filler cycles through `sentences` from index `start`."""
+    head = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+            "I will quiz you about the important information there.")
+    needle, question = f" The pass key is {key}. Remember it. {key} is the pass key.", " What is the pass key? The pass key is"
+    budget = length - len(tokenizer(head + needle + question).input_ids) - 2
+    filler, used = [], 0
+    while True:
+        sentence = sentences[(start + len(filler)) % len(sentences)]
+        cost = len(tokenizer(sentence, add_special_tokens=False).input_ids)
+        if used + cost > budget:
+            break
+        filler.append(sentence)
+        used += cost
+    cut = round(depth * len(filler))
+    text = head + "".join(filler[:cut]) + needle + "".join(filler[cut:]) + question
+    while len(tokenizer(text).input_ids) > length:  # tokens merge differently in context: trim from the end
+        filler.pop()
+        cut = min(cut, len(filler))
+        text = head + "".join(filler[:cut]) + needle + "".join(filler[cut:]) + question
+    return text
+
+
+@torch.no_grad()
+def greedy_answer(model, ids: torch.Tensor, new_tokens: int, chunk: int = 2048) -> list[int]:
+    """Prefill in chunks through the model's cache, then greedy decoding, one token at a time."""
+    cache, out = None, None
+    for start in range(0, ids.shape[1], chunk):
+        out = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+    tokens = []
+    for _ in range(new_tokens):
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token.item())
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+    return tokens
+
+
+def independent_passkey_eval(model, tokenizer, lengths, depths, trials: int, seed: int, filler: str) -> dict:
+    import re
+
+    sentences, cells = filler_sentences(filler), []
+    device = next(model.parameters()).device
+    for length in lengths:
+        for depth in depths:
+            rng, correct, samples = random.Random(f"independent-{seed}-{length}-{depth}"), 0, []
+            for _ in range(trials):
+                key = "".join(rng.choice("0123456789") for _ in range(5))
+                text = independent_prompt(tokenizer, sentences, length, depth, key, rng.randrange(len(sentences)))
+                ids = tokenizer(text, return_tensors="pt").input_ids.to(device)
+                generated = tokenizer.decode(greedy_answer(model, ids, 6))
+                found = re.search(r"\d+", generated)
+                correct += found is not None and found.group() == key
+                samples.append({"passkey": key, "generated": generated, "tokens": ids.shape[1]})
+            cells.append({"length": length, "depth": depth, "accuracy": correct / trials, "samples": samples})
+            print(f"{length} {depth}: {correct}/{trials}", flush=True)
+    return {"task": "passkey", "prompts": f"independent, filler {filler}", "lengths": list(lengths),
+            "depths": list(depths), "trials": trials, "seed": seed, "cells": cells}
+
+
 def perplexity_over_orders(model, tokenizer, args) -> dict:
     """Perplexity per position bucket of unseen documents (`long_text_documents`) joined into one sequence of
     `--ppl-length` tokens, averaged over `--orders` random orders of the documents (so every bucket sees the same text on
@@ -406,12 +536,33 @@ def load(folder):
     return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
 
 
+def passkey_stages(folder: Path) -> list[dict]:
+    """Every passkey fine-tuning stage that led to the model in `folder`, first to last: each stage's record
+    (passkey_* fields of its training report), found by following `passkey_started_from` back."""
+    stages = []
+    while True:
+        report = json.loads((folder / "training_report.json").read_text())
+        stages.insert(0, {k: v for k, v in report.items()
+                          if k.startswith("passkey_") and k not in ("passkey_stages", "passkey_logged_losses")})
+        if "passkey_started_from" not in report:
+            return stages
+        folder = Path(report["passkey_started_from"])
+
+
 def ship(args):
-    """The passkey-tuned Samba into the package, packaged as the default model is (bf16, A_log/D float32)."""
-    folder = WORK / "samba-passkey"
+    """The passkey-tuned Samba (`--suffix`) into the package, packaged as the default model is (bf16, A_log/D
+    float32), its training report listing every fine-tuning stage."""
+    folder = WORK / f"samba-passkey{args.suffix}"
     model = SambaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     report = json.loads((folder / "training_report.json").read_text())
+    report["passkey_stages"] = passkey_stages(folder)
+    stages = report["passkey_stages"]
+    report.update(stage_count=len(stages), all_passkey_steps=sum(st["passkey_steps"] for st in stages),
+                  all_passkey_minutes=round(sum(st["passkey_minutes"] for st in stages), 1),
+                  stage_commands="\n".join(f"{st['passkey_command']}\n    # {st['passkey_steps']} steps of "
+                                            f"{st['passkey_batch_size']}, {st['passkey_minutes']} min on "
+                                            f"{st['passkey_device']}" for st in stages))
     package(model, tokenizer, report, args.out, card=CARD)
 
 
@@ -421,15 +572,20 @@ CARD = """---
 
 # samba-hf's passkey model
 
-A {parameters:,}-parameter Samba (Mamba + sliding-window attention with a 256-token window, 6 layers, hidden size
-256). Pretrained at 512 tokens on the English text that ships with Python ({pretrain_steps} steps of 8 x 512 tokens,
-{pretrain_minutes} minutes on 2 CPU cores), then fine-tuned on passkey prompts of 128 to 512 tokens
-({passkey_steps} steps of {passkey_batch_size}, {passkey_minutes} minutes on one {passkey_device}) with
-`{passkey_command_now}` (samba-hf's examples/long_context.py).
+A {parameters:,}-parameter Samba (Mamba + sliding-window attention, 6 layers, hidden size 256, window {window}: its
+three attention layers reach {window} x 3 tokens back at most). Pretrained at 512 tokens on the English text that ships
+with Python ({pretrain_steps} steps of 8 x 512 tokens, {pretrain_minutes} minutes on 2 CPU cores), then fine-tuned
+on passkey prompts of at most 512 tokens in {stage_count} stages ({all_passkey_steps} steps in all), with samba-hf's
+examples/long_context.py (the second stage started from the passkey model shipped before, the first stage's):
 
-It finds the key at every depth up to its training length, and at any length when the key lies in its window;
-beyond about 2x its training length, a key further back than its window is mostly lost. LONG_CONTEXT.md in samba-hf
-has the measurements. It is a demo of the evaluation tools, not a useful model.
+```text
+{stage_commands}
+```
+
+The later stages put the key beyond attention's reach and stretch the Mamba layers' step sizes (`--stretch-dt`), so
+that only the recurrent state can answer and it must keep the key over up to 128 times the prompt's length.
+LONG_CONTEXT.md in samba-hf has the recipe and the measurements (passkey retrieval far past 512 tokens). It is a
+demo of the evaluation tools, not a useful model.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -459,6 +615,10 @@ def main():
         p.add_argument("--bf16", action="store_true", help="store the fine-tuned weights in bfloat16")
         p.add_argument("--start-from", default=None, help="fine-tune this model folder instead of ARCH-base")
         p.add_argument("--window", type=int, default=None, help="fine-tune with this sliding window (samba, mistral)")
+        p.add_argument("--stretch-dt", type=float, default=1.0,
+                       help="fine-tune with every Mamba step size dt multiplied by a factor drawn per step from "
+                            "[1, K] (log-uniform): prompts that stand for up to K times their length (TimeStretch)")
+        p.add_argument("--passkey-weight-decay", type=float, default=0.1)
         p.add_argument("--min-key-distance", type=int, default=0,
                        help="fine-tuning prompts put the key at least this many tokens before their end")
     p = commands.add_parser("evaluate", help="passkey and perplexity of the trained models")
@@ -472,9 +632,13 @@ def main():
     p.add_argument("--ppl-length", type=int, default=32768)
     p.add_argument("--orders", type=int, default=1)
     p.add_argument("--suffix", default="", help="evaluate ARCH-passkeySUFFIX; results as passkey_ARCHSUFFIX.json")
+    p.add_argument("--prompts", choices=["evaluation", "other", "text"], default="evaluation",
+                   help="passkey prompts from samba_hf.evaluation (the paper's), or built here independently with "
+                        "other fixed filler or unseen text as filler (results as passkey_ARCHSUFFIX_PROMPTS.json)")
     commands.add_parser("plot", help="redraw the combined figures from long_context/*.json")
     p = commands.add_parser("ship", help="write the passkey Samba into the package")
     p.add_argument("--out", default="src/samba_hf/passkey_model")
+    p.add_argument("--suffix", default="", help="ship ARCH-passkeySUFFIX")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     {"train": train, "pretrain": pretrain, "finetune": finetune, "evaluate": evaluate, "plot": plot,

@@ -1,0 +1,96 @@
+"""The pieces of examples/long_context.py's passkey recipe that the trained models depend on: the time-stretch
+augmentation (exact on the Mamba step sizes, gone after training), the fine-tuning prompts' key distance, and the
+independently built evaluation prompts."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import AutoTokenizer
+
+from samba_hf.cli import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import long_context  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(default_model_path("passkey"))  # the experiment's: one token per digit
+
+
+def record(model, seen):
+    """Hooks that keep softplus(dt_proj(...)) of every Mamba layer, as the mixer computes it."""
+    return [m.dt_proj.register_forward_hook(lambda mod, args, out: seen.append(torch.nn.functional.softplus(out)))
+            for m in model.modules() if hasattr(m, "dt_proj")]
+
+
+def test_time_stretch_multiplies_every_step_size_while_training_only():
+    model, ids = tiny_model(), torch.randint(0, 100, (2, 12))
+    raw, stretched = [], []
+    before = record(model, raw)  # hooks run in the order they were registered: before and after the stretch
+    stretch = long_context.TimeStretch(model, max_factor=64.0, seed=3)
+    after = record(model, stretched)
+    model.train()(ids)
+    assert 1.0 < stretch.factor <= 64.0 and len(raw) == len(stretched) == 2
+    for a, b in zip(raw, stretched):
+        torch.testing.assert_close(b, stretch.factor * a, rtol=1e-5, atol=1e-8)
+    factors = set()
+    for _ in range(5):  # a new factor for every training forward
+        model(ids)
+        factors.add(stretch.factor)
+    assert len(factors) == 5 and all(1.0 <= f <= 64.0 for f in factors)
+    raw.clear(), stretched.clear()
+    model.eval()(ids)  # evaluation runs unstretched
+    for a, b in zip(raw, stretched):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    logits = model(ids).logits
+    stretch.remove()
+    for hook in before + after:
+        hook.remove()
+    torch.testing.assert_close(model.train()(ids).logits, logits, rtol=0, atol=0)  # removed: the plain model
+
+
+def test_time_stretch_needs_mamba_layers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2))
+    with pytest.raises(ValueError, match="needs a model with Mamba layers"):
+        long_context.TimeStretch(llama, 8.0)
+
+
+def test_fine_tuning_prompts_keep_the_key_beyond_reach(tokenizer):
+    samples = long_context.PasskeySamples(tokenizer, 20, 512, 400, answer_only=True, min_key_distance=320)
+    for i in range(20):
+        sample = samples[i]
+        ids, labels = sample["input_ids"], sample["labels"]
+        answer = [t for t in labels if t != -100]
+        assert 400 - 30 <= len(ids) <= 512 and ids[-len(answer):] == answer  # whole filler sentences: up to one fewer
+        key = tokenizer.decode(answer).strip(" .")
+        assert len(key) == 5 and key.isdigit()
+        prompt = tokenizer.decode(ids[: -len(answer)])
+        assert prompt.endswith(" What is the pass key? The pass key is")
+        # the key's first mention lies at least 320 tokens before the end of the prompt
+        where = prompt.index(f"The pass key is {key}")
+        assert len(ids) - len(answer) - len(tokenizer(prompt[:where], add_special_tokens=False).input_ids) >= 320
+    with pytest.raises(ValueError, match="raise --passkey-min-length or lower --min-key-distance"):
+        long_context.PasskeySamples(tokenizer, 1, 300, 200, min_key_distance=400)[0]
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_independent_prompts_have_the_papers_parts_and_fit(tokenizer, depth):
+    sentences = long_context.filler_sentences("other")
+    text = long_context.independent_prompt(tokenizer, sentences, 700, depth, "40213", start=2)
+    n = len(tokenizer(text).input_ids)
+    assert 650 <= n <= 700
+    assert text.startswith("There is an important info hidden inside a lot of irrelevant text.")
+    assert text.endswith(" What is the pass key? The pass key is")
+    assert text.count("40213") == 2 and "grass" not in text
+    before = text.index("The pass key is 40213")
+    filler = text[text.index("there.") + 6: text.rindex(" What is")].replace(
+        " The pass key is 40213. Remember it. 40213 is the pass key.", "|")
+    share = filler.index("|") / max(1, len(filler) - 1)
+    assert abs(share - depth) < 0.05 and before > 0
