@@ -39,7 +39,7 @@ from train_tiny import SPECIAL, Blocks, documents, package, stream, to_bfloat16_
 
 from samba_hf import SambaConfig, SambaForCausalLM  # noqa: E402
 from samba_hf.evaluation import (  # noqa: E402
-    _pyplot, passkey_eval, passkey_prompt, perplexity_by_position, phonebook_eval, plot_passkey, plot_perplexity,
+    PASSKEY_INSTRUCTION, PASSKEY_NEEDLE, PASSKEY_QUESTION, _pieces, _pyplot, passkey_eval, passkey_prompt, perplexity_by_position, phonebook_eval, plot_passkey, plot_perplexity,
     plot_phonebook, random_digits,
 )
 
@@ -151,33 +151,52 @@ class PasskeySamples(torch.utils.data.Dataset):
                 break
         ids = prompt.input_ids + target
         labels = [-100] * len(prompt.input_ids) + target if self.answer_only else ids
-        return {"input_ids": ids, "labels": labels}
+        instruction, needle, question = (len(p) for p in _pieces(self.tokenizer, PASSKEY_INSTRUCTION,
+                                                                   PASSKEY_NEEDLE.format(key=key), PASSKEY_QUESTION))
+        end = len(prompt.input_ids) - question
+        filler = [instruction <= t < prompt.answer_start or prompt.answer_start + needle <= t < end
+                  for t in range(len(ids))]
+        return {"input_ids": ids, "labels": labels, "filler": filler}
 
 
 class TimeStretch:
-    """Fine-tuning augmentation for the Mamba layers: each training step multiplies every step size dt by a factor k
-    drawn log-uniformly from [1, `max_factor`]. In Mamba's zero-order-hold discretization a token whose dt is k times
-    larger acts as that token held for k steps (exp(k dt A) decays the state, k dt B x writes it), so a 512-token
-    prompt stands for one up to k times longer, in the Mamba layers only. Keeping a key over k times the distance is
-    then what the loss asks for. Hooks on `dt_proj` of every Mamba layer; `remove()` takes them off. The model
-    itself is unchanged: what is saved and evaluated runs with k = 1."""
+    """Fine-tuning augmentation for the Mamba layers: each training step multiplies the step size dt of every filler
+    token by a factor k drawn log-uniformly from [1, `max_factor`]. In Mamba's zero-order-hold discretization a token
+    whose dt is k times larger acts as that token held for k steps (exp(k dt A) decays the state, k dt B x writes
+    it), so the filler of a 512-token prompt stands for k times as much filler, in the Mamba layers only, while the
+    instruction, the key sentence and the question read as they do in a prompt k times longer. Keeping a key over
+    k times the distance is then what the loss asks for. The batch names the filler tokens (`filler`, popped before
+    the model sees it). Hooks on the model and on `dt_proj` of every Mamba layer; `remove()` takes them off. The
+    model itself is unchanged: what is saved and evaluated runs with k = 1.
 
-    def __init__(self, model, max_factor: float, seed: int = 0):
-        self.rng, self.log_max, self.factor = random.Random(f"stretch-{seed}"), math.log(max_factor), 1.0
+    `tokens`: which tokens are stretched. "filler" is the recipe; two earlier stages of the shipped model ran with
+    "all" (every token, the key and question too) and one with "non-digits" (every token but the key's digits,
+    `digit_ids`), kept so that their commands still rerun."""
+
+    def __init__(self, model, max_factor: float, tokens: str = "filler", digit_ids=(), seed: int = 0):
+        self.rng, self.log_max, self.factor, self.factors = random.Random(f"stretch-{seed}"), math.log(max_factor), 1.0, None
+        self.tokens, self.digit_ids = tokens, torch.tensor(sorted(digit_ids), dtype=torch.long)
         mixers = [m for m in model.modules() if hasattr(m, "dt_proj") and hasattr(m, "A_log")]
         if not mixers:
             raise ValueError("--stretch-dt needs a model with Mamba layers (samba)")
-        self.handles = [model.register_forward_pre_hook(self.draw)]
+        self.handles = [model.register_forward_pre_hook(self.draw, with_kwargs=True)]
         self.handles += [m.dt_proj.register_forward_hook(self.stretch) for m in mixers]
 
-    def draw(self, module, args):
-        self.factor = math.exp(self.rng.uniform(0.0, self.log_max)) if module.training else 1.0
+    def draw(self, module, args, kwargs):
+        filler = kwargs.pop("filler", None)  # (batch, seq) bool
+        self.factor = math.exp(self.rng.uniform(0.0, self.log_max)) if module.training and filler is not None else 1.0
+        if self.factor != 1.0:
+            if self.tokens != "filler":
+                ids = kwargs["input_ids"]
+                filler = torch.ones_like(filler) if self.tokens == "all" else ~torch.isin(ids, self.digit_ids.to(ids.device))
+            self.factors = torch.where(filler, self.factor, 1.0)[..., None]  # (batch, seq, 1)
+        return args, kwargs
 
     def stretch(self, module, args, pre):
         """Returns p' with softplus(p') = k softplus(p): the inverse softplus of the stretched step."""
         if self.factor == 1.0:
             return None
-        dt = self.factor * nn.functional.softplus(pre.float())
+        dt = self.factors.to(pre.device) * nn.functional.softplus(pre.float())
         return torch.where(dt > 20, dt, torch.log(torch.expm1(dt.clamp(1e-20, 20)))).to(pre.dtype)
 
     def remove(self):
@@ -186,14 +205,17 @@ class TimeStretch:
 
 
 def pad_right(batch, pad_id: int):
-    """Right padding (pad tokens come after every real one, so a causal model's loss is unchanged), labels -100."""
+    """Right padding (pad tokens come after every real one, so a causal model's loss is unchanged), labels -100;
+    `filler` marks the filler tokens (for TimeStretch; models without it never see it)."""
     width = max(len(b["input_ids"]) for b in batch)
     ids = torch.full((len(batch), width), pad_id)
     labels = torch.full((len(batch), width), -100)
+    filler = torch.zeros((len(batch), width), dtype=torch.bool)
     for row, b in enumerate(batch):
         ids[row, : len(b["input_ids"])] = torch.tensor(b["input_ids"])
         labels[row, : len(b["labels"])] = torch.tensor(b["labels"])
-    return {"input_ids": ids, "labels": labels}
+        filler[row, : len(b["filler"])] = torch.tensor(b["filler"])
+    return {"input_ids": ids, "labels": labels, "filler": filler}
 
 
 def run_trainer(model, dataset, steps: int, lr: float, batch_size: int, collator=None, weight_decay: float = 0.1) -> float:
@@ -201,6 +223,7 @@ def run_trainer(model, dataset, steps: int, lr: float, batch_size: int, collator
         output_dir=str(WORK / "trainer"), max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
         lr_scheduler_type="cosine", warmup_steps=max(1, steps // 10), weight_decay=weight_decay, adam_beta2=0.95,
         max_grad_norm=1.0, logging_steps=25, save_strategy="no", report_to=[], seed=0, dataloader_drop_last=True,
+        remove_unused_columns=False,
         use_cpu=not torch.cuda.is_available(),
     )
     start = time.perf_counter()
@@ -261,18 +284,26 @@ def finetune(args):
             for k in earlier:
                 del report[k]
         report["passkey_started_from"] = str(args.start_from)
-    stretch = TimeStretch(model, args.stretch_dt) if args.stretch_dt > 1 else None
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]  # one token each in this tokenizer
+    stretch = TimeStretch(model, args.stretch_dt, args.stretch_tokens, digits) if args.stretch_dt > 1 else None
     model.train()
     samples = PasskeySamples(tokenizer, args.passkey_steps * args.passkey_batch_size, TRAINING_LENGTH,
                              args.passkey_min_length, answer_only=args.answer_only,
                              min_key_distance=args.min_key_distance)
     report["passkey_min_key_distance"] = args.min_key_distance
+
+    def collate(batch):
+        padded = pad_right(batch, tokenizer.pad_token_id)
+        if stretch is None:
+            del padded["filler"]
+        return padded
+
     minutes = run_trainer(model, samples, args.passkey_steps, args.passkey_lr, args.passkey_batch_size,
-                          collator=lambda batch: pad_right(batch, tokenizer.pad_token_id),
+                          collator=collate,
                           weight_decay=args.passkey_weight_decay)
     if stretch is not None:
         stretch.remove()
-        report["passkey_stretch_dt"] = args.stretch_dt
+        report.update(passkey_stretch_dt=args.stretch_dt, passkey_stretch_tokens=args.stretch_tokens)
     report.update(passkey_steps=args.passkey_steps, passkey_batch_size=args.passkey_batch_size, passkey_minutes=round(minutes, 1), passkey_device=DEVICE,
                   passkey_lr=args.passkey_lr, passkey_weight_decay=args.passkey_weight_decay, passkey_lengths=[args.passkey_min_length, TRAINING_LENGTH],
                   passkey_loss="answer" if args.answer_only else "all tokens",
@@ -308,6 +339,9 @@ def evaluate(args):
             else:
                 result = independent_passkey_eval(model, tokenizer, lengths, depths, args.trials, args.seed,
                                                   args.prompts)
+            window, types = getattr(model.config, "sliding_window", None), getattr(model.config, "layer_types", None)
+            sliding = types.count("sliding_attention") if types else model.config.num_hidden_layers
+            result["attention_reach"] = (window - 1) * sliding if window else None  # stacked windows, tokens back
             result.update(model=arch, command=command, minutes=round((time.perf_counter() - start) / 60, 1),
                           device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
             name = f"passkey_{arch}{args.suffix}" + ("" if args.prompts == "evaluation" else f"_{args.prompts}")
@@ -365,9 +399,11 @@ def plot(args=None):
         for arch, result in results["passkey"].items():
             mean = [sum(c["accuracy"] for c in result["cells"] if c["length"] == n) / len(result["depths"])
                     for n in result["lengths"]]
-            ax.plot(result["lengths"], mean, marker="o", label=arch)
-        ax.axvline(TRAINING_LENGTH, color="grey", linestyle=":", label="training length")
-        ax.axvline(WINDOW, color="grey", linestyle="--", label="window (samba, mistral)")
+            (line,) = ax.plot(result["lengths"], mean, marker="o", label=arch)
+            if result.get("attention_reach"):
+                ax.axvline(result["attention_reach"], color=line.get_color(), linestyle="--", linewidth=0.8,
+                           label=f"{arch}: attention's reach")
+        ax.axvline(TRAINING_LENGTH, color="grey", linestyle=":", label="fine-tuning length")
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.05, 1.05)
         ax.set_xlabel("context length (tokens)")
@@ -560,7 +596,8 @@ def ship(args):
     stages = report["passkey_stages"]
     report.update(stage_count=len(stages), all_passkey_steps=sum(st["passkey_steps"] for st in stages),
                   all_passkey_minutes=round(sum(st["passkey_minutes"] for st in stages), 1),
-                  stage_commands="\n".join(f"{st['passkey_command']}\n    # {st['passkey_steps']} steps of "
+                  stage_commands="\n".join(f"{st.get('passkey_command_now', st['passkey_command'])}\n"
+                                            f"    # {st['passkey_steps']} steps of "
                                             f"{st['passkey_batch_size']}, {st['passkey_minutes']} min on "
                                             f"{st['passkey_device']}" for st in stages))
     package(model, tokenizer, report, args.out, card=CARD)
@@ -616,8 +653,11 @@ def main():
         p.add_argument("--start-from", default=None, help="fine-tune this model folder instead of ARCH-base")
         p.add_argument("--window", type=int, default=None, help="fine-tune with this sliding window (samba, mistral)")
         p.add_argument("--stretch-dt", type=float, default=1.0,
-                       help="fine-tune with every Mamba step size dt multiplied by a factor drawn per step from "
-                            "[1, K] (log-uniform): prompts that stand for up to K times their length (TimeStretch)")
+                       help="fine-tune with the Mamba step size dt of the filler tokens multiplied by a factor drawn "
+                            "per step from [1, K] (log-uniform): the filler stands for up to K times as much "
+                            "(TimeStretch)")
+        p.add_argument("--stretch-tokens", choices=["filler", "all", "non-digits"], default="filler",
+                       help="the tokens --stretch-dt stretches (TimeStretch)")
         p.add_argument("--passkey-weight-decay", type=float, default=0.1)
         p.add_argument("--min-key-distance", type=int, default=0,
                        help="fine-tuning prompts put the key at least this many tokens before their end")

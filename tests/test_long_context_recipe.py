@@ -11,6 +11,7 @@ from conftest import tiny_model
 from transformers import AutoTokenizer
 
 from samba_hf.cli import default_model_path
+from samba_hf.evaluation import PASSKEY_FILLER, PASSKEY_INSTRUCTION, PASSKEY_NEEDLE, PASSKEY_QUESTION
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import long_context  # noqa: E402
@@ -27,30 +28,48 @@ def record(model, seen):
             for m in model.modules() if hasattr(m, "dt_proj")]
 
 
-def test_time_stretch_multiplies_every_step_size_while_training_only():
-    model, ids = tiny_model(), torch.randint(0, 100, (2, 12))
+def test_time_stretch_multiplies_the_fillers_step_sizes_while_training_only():
+    model, ids = tiny_model(), torch.randint(0, 90, (2, 12))
+    filler = torch.ones(2, 12, dtype=torch.bool)
+    filler[0, 3], filler[1, 7:9] = False, False  # the key sentence: read unstretched
     raw, stretched = [], []
     before = record(model, raw)  # hooks run in the order they were registered: before and after the stretch
     stretch = long_context.TimeStretch(model, max_factor=64.0, seed=3)
     after = record(model, stretched)
-    model.train()(ids)
+    model.train()(input_ids=ids, filler=filler)
     assert 1.0 < stretch.factor <= 64.0 and len(raw) == len(stretched) == 2
+    factor = torch.where(filler, stretch.factor, 1.0)[..., None]
     for a, b in zip(raw, stretched):
-        torch.testing.assert_close(b, stretch.factor * a, rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(b, factor * a, rtol=1e-5, atol=1e-8)
     factors = set()
     for _ in range(5):  # a new factor for every training forward
-        model(ids)
+        model(input_ids=ids, filler=filler)
         factors.add(stretch.factor)
     assert len(factors) == 5 and all(1.0 <= f <= 64.0 for f in factors)
     raw.clear(), stretched.clear()
-    model.eval()(ids)  # evaluation runs unstretched
+    logits = model.eval()(input_ids=ids, filler=filler).logits  # evaluation runs unstretched
     for a, b in zip(raw, stretched):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    logits = model(ids).logits
     stretch.remove()
     for hook in before + after:
         hook.remove()
     torch.testing.assert_close(model.train()(ids).logits, logits, rtol=0, atol=0)  # removed: the plain model
+
+
+@pytest.mark.parametrize("tokens", ["all", "non-digits"])
+def test_time_stretch_of_the_earlier_stages(tokens):
+    model, ids = tiny_model(), torch.randint(10, 90, (1, 12))
+    ids[0, 4:6] = 3  # a "digit"
+    raw, stretched = [], []
+    record(model, raw)
+    stretch = long_context.TimeStretch(model, max_factor=64.0, tokens=tokens, digit_ids=range(10), seed=1)
+    record(model, stretched)
+    model.train()(input_ids=ids, filler=torch.zeros(1, 12, dtype=torch.bool))  # the filler mask is not used
+    factor = torch.full((1, 12, 1), stretch.factor)
+    if tokens == "non-digits":
+        factor[0, 4:6] = 1.0
+    for a, b in zip(raw, stretched):
+        torch.testing.assert_close(b, factor * a, rtol=1e-5, atol=1e-8)
 
 
 def test_time_stretch_needs_mamba_layers():
@@ -76,6 +95,12 @@ def test_fine_tuning_prompts_keep_the_key_beyond_reach(tokenizer):
         # the key's first mention lies at least 320 tokens before the end of the prompt
         where = prompt.index(f"The pass key is {key}")
         assert len(ids) - len(answer) - len(tokenizer(prompt[:where], add_special_tokens=False).input_ids) >= 320
+        # the filler mask covers the filler sentences and nothing else
+        filler = tokenizer.decode([t for t, f in zip(ids, sample["filler"]) if f])
+        rest = tokenizer.decode([t for t, f in zip(ids, sample["filler"]) if not f])
+        assert set(filler.replace(PASSKEY_FILLER, "|")) == {"|"}
+        assert rest == (PASSKEY_INSTRUCTION + PASSKEY_NEEDLE.format(key=key)
+                        + PASSKEY_QUESTION + tokenizer.decode(answer))
     with pytest.raises(ValueError, match="raise --passkey-min-length or lower --min-key-distance"):
         long_context.PasskeySamples(tokenizer, 1, 300, 200, min_key_distance=400)[0]
 
