@@ -399,7 +399,9 @@ def plot(args=None):
         for arch, result in results["passkey"].items():
             mean = [sum(c["accuracy"] for c in result["cells"] if c["length"] == n) / len(result["depths"])
                     for n in result["lengths"]]
-            (line,) = ax.plot(result["lengths"], mean, marker="o", label=arch)
+            learned = mean[result["lengths"].index(TRAINING_LENGTH)] >= 0.95 if TRAINING_LENGTH in result["lengths"] else True
+            (line,) = ax.plot(result["lengths"], mean, marker="o",
+                              label=arch if learned else f"{arch} (did not learn the task at {TRAINING_LENGTH})")
             if result.get("attention_reach"):
                 ax.axvline(result["attention_reach"], color=line.get_color(), linestyle="--", linewidth=0.8,
                            label=f"{arch}: attention's reach")
@@ -544,6 +546,33 @@ def independent_passkey_eval(model, tokenizer, lengths, depths, trials: int, see
             "depths": list(depths), "trials": trials, "seed": seed, "cells": cells}
 
 
+@torch.no_grad()
+def retention(args):
+    """How much of what the Mamba state held before the filler survives it: over the filler after the key of a
+    depth-0 passkey prompt, each channel keeps exp(A * sum(dt)) of each state entry; per layer, the channels whose
+    best entry keeps more than half, and the best five."""
+    folder = Path(args.model) if args.model else WORK / f"samba-passkey{args.suffix}"
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), load(folder)
+    mixers = [(i, layer.mamba) for i, layer in enumerate(model.model.layers) if hasattr(layer, "mamba")]
+    for length in [int(n) for n in args.lengths.split(",")]:
+        prompt = passkey_prompt(tokenizer, length, 0.0, "12345")
+        steps = {i: [] for i, _ in mixers}  # dt of every chunk the model runs
+        hooks = [m.dt_proj.register_forward_hook(lambda mod, a, out, i=i: steps[i].append(nn.functional.softplus(out.float())))
+                 for i, m in mixers]
+        model(torch.tensor([prompt.input_ids], device=model.device), logits_to_keep=1)
+        for hook in hooks:
+            hook.remove()
+        _, _, needle, question = _pieces(tokenizer, PASSKEY_INSTRUCTION, "", PASSKEY_NEEDLE.format(key="12345"),
+                                         PASSKEY_QUESTION)
+        start, end = prompt.answer_start + len(needle), len(prompt.input_ids) - len(question)
+        for i, mixer in mixers:
+            dt = torch.cat(steps[i], dim=1)[0, start:end].sum(0)  # (d_inner,)
+            kept = torch.exp(mixer.decay_rates() * dt[:, None]).amax(1)  # (d_inner,) best state entry
+            print(f"{len(prompt.input_ids):>6} tokens, layer {i}: {end - start} filler tokens; "
+                  f"{int((kept > 0.5).sum())} of {kept.numel()} channels keep > 1/2; best "
+                  + " ".join(f"{v:.3f}" for v in kept.sort(descending=True).values[:5].tolist()), flush=True)
+
+
 def perplexity_over_orders(model, tokenizer, args) -> dict:
     """Perplexity per position bucket of unseen documents (`long_text_documents`) joined into one sequence of
     `--ppl-length` tokens, averaged over `--orders` random orders of the documents (so every bucket sees the same text on
@@ -594,6 +623,8 @@ def ship(args):
     report = json.loads((folder / "training_report.json").read_text())
     report["passkey_stages"] = passkey_stages(folder)
     stages = report["passkey_stages"]
+    report.update(attention_reach=(model.config.sliding_window - 1) * model.config.layer_types.count("sliding_attention"),
+                  stretch=int(max(st.get("passkey_stretch_dt") or 1 for st in stages)))
     report.update(stage_count=len(stages), all_passkey_steps=sum(st["passkey_steps"] for st in stages),
                   all_passkey_minutes=round(sum(st["passkey_minutes"] for st in stages), 1),
                   stage_commands="\n".join(f"{st.get('passkey_command_now', st['passkey_command'])}\n"
@@ -610,7 +641,7 @@ CARD = """---
 # samba-hf's passkey model
 
 A {parameters:,}-parameter Samba (Mamba + sliding-window attention, 6 layers, hidden size 256, window {window}: its
-three attention layers reach {window} x 3 tokens back at most). Pretrained at 512 tokens on the English text that ships
+three attention layers reach {attention_reach} tokens back at most). Pretrained at 512 tokens on the English text that ships
 with Python ({pretrain_steps} steps of 8 x 512 tokens, {pretrain_minutes} minutes on 2 CPU cores), then fine-tuned
 on passkey prompts of at most 512 tokens in {stage_count} stages ({all_passkey_steps} steps in all), with samba-hf's
 examples/long_context.py (the second stage started from the passkey model shipped before, the first stage's):
@@ -620,7 +651,7 @@ examples/long_context.py (the second stage started from the passkey model shippe
 ```
 
 The later stages put the key beyond attention's reach and stretch the Mamba layers' step sizes (`--stretch-dt`), so
-that only the recurrent state can answer and it must keep the key over up to 128 times the prompt's length.
+that only the recurrent state can answer and it must keep the key over up to {stretch} times the filler's length.
 LONG_CONTEXT.md in samba-hf has the recipe and the measurements (passkey retrieval far past 512 tokens). It is a
 demo of the evaluation tools, not a useful model.
 
@@ -676,13 +707,17 @@ def main():
                    help="passkey prompts from samba_hf.evaluation (the paper's), or built here independently with "
                         "other fixed filler or unseen text as filler (results as passkey_ARCHSUFFIX_PROMPTS.json)")
     commands.add_parser("plot", help="redraw the combined figures from long_context/*.json")
+    p = commands.add_parser("retention", help="how much of the Mamba state survives a passkey prompt's filler")
+    p.add_argument("--suffix", default="", help="samba-passkeySUFFIX")
+    p.add_argument("--model", default=None, help="a model folder instead")
+    p.add_argument("--lengths", default="512,2048,8192,32768")
     p = commands.add_parser("ship", help="write the passkey Samba into the package")
     p.add_argument("--out", default="src/samba_hf/passkey_model")
     p.add_argument("--suffix", default="", help="ship ARCH-passkeySUFFIX")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     {"train": train, "pretrain": pretrain, "finetune": finetune, "evaluate": evaluate, "plot": plot,
-     "ship": ship}[args.command](args)
+     "retention": retention, "ship": ship}[args.command](args)
 
 
 if __name__ == "__main__":
