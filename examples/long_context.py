@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import random
+import re
 import shlex
 import sys
 import time
@@ -151,12 +152,24 @@ class PasskeySamples(torch.utils.data.Dataset):
                 break
         ids = prompt.input_ids + target
         labels = [-100] * len(prompt.input_ids) + target if self.answer_only else ids
-        instruction, needle, question = (len(p) for p in _pieces(self.tokenizer, PASSKEY_INSTRUCTION,
-                                                                   PASSKEY_NEEDLE.format(key=key), PASSKEY_QUESTION))
-        end = len(prompt.input_ids) - question
-        filler = [instruction <= t < prompt.answer_start or prompt.answer_start + needle <= t < end
-                  for t in range(len(ids))]
-        return {"input_ids": ids, "labels": labels, "filler": filler}
+        filler = filler_positions(self.tokenizer, prompt)
+        return {"input_ids": ids, "labels": labels, "filler": filler + [False] * len(target)}
+
+
+def filler_positions(tokenizer, prompt) -> list[bool]:
+    """Which tokens of a `passkey_prompt` are filler: all but the instruction, the key sentence and the question."""
+    instruction, needle, question = (len(p) for p in _pieces(tokenizer, PASSKEY_INSTRUCTION,
+                                                              PASSKEY_NEEDLE.format(key=prompt.answer), PASSKEY_QUESTION))
+    end = len(prompt.input_ids) - question
+    return [instruction <= t < prompt.answer_start or prompt.answer_start + needle <= t < end
+            for t in range(len(prompt.input_ids))]
+
+
+def attention_reach(config) -> int | None:
+    """How far back stacked sliding windows reach, in tokens (None for full attention)."""
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    sliding = types.count("sliding_attention") if types else config.num_hidden_layers
+    return (window - 1) * sliding if window else None
 
 
 class TimeStretch:
@@ -339,9 +352,7 @@ def evaluate(args):
             else:
                 result = independent_passkey_eval(model, tokenizer, lengths, depths, args.trials, args.seed,
                                                   args.prompts)
-            window, types = getattr(model.config, "sliding_window", None), getattr(model.config, "layer_types", None)
-            sliding = types.count("sliding_attention") if types else model.config.num_hidden_layers
-            result["attention_reach"] = (window - 1) * sliding if window else None  # stacked windows, tokens back
+            result["attention_reach"] = attention_reach(model.config)
             result.update(model=arch, command=command, minutes=round((time.perf_counter() - start) / 60, 1),
                           device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
             name = f"passkey_{arch}{args.suffix}" + ("" if args.prompts == "evaluation" else f"_{args.prompts}")
@@ -475,8 +486,6 @@ def filler_sentences(kind: str) -> list[str]:
     of the unseen documents (`long_text_documents`), in order, so the filler never repeats within 32K tokens."""
     if kind == "other":
         return [" " + s.strip() + "." for s in OTHER_FILLER.split(".") if s.strip()]
-    import re
-
     sentences = []
     for doc in long_text_documents():
         for sentence in re.split(r"(?<=[.!?])\s+", re.sub(r"\s+", " ", re.sub(r"\d", "", doc))):
@@ -525,8 +534,6 @@ def greedy_answer(model, ids: torch.Tensor, new_tokens: int, chunk: int = 2048) 
 
 
 def independent_passkey_eval(model, tokenizer, lengths, depths, trials: int, seed: int, filler: str) -> dict:
-    import re
-
     sentences, cells = filler_sentences(filler), []
     device = next(model.parameters()).device
     for length in lengths:
@@ -562,13 +569,11 @@ def retention(args):
         model(torch.tensor([prompt.input_ids], device=model.device), logits_to_keep=1)
         for hook in hooks:
             hook.remove()
-        _, _, needle, question = _pieces(tokenizer, PASSKEY_INSTRUCTION, "", PASSKEY_NEEDLE.format(key="12345"),
-                                         PASSKEY_QUESTION)
-        start, end = prompt.answer_start + len(needle), len(prompt.input_ids) - len(question)
+        filler = torch.tensor(filler_positions(tokenizer, prompt))  # depth 0: all of it after the key
         for i, mixer in mixers:
-            dt = torch.cat(steps[i], dim=1)[0, start:end].sum(0)  # (d_inner,)
+            dt = torch.cat(steps[i], dim=1)[0, filler.to(model.device)].sum(0)  # (d_inner,)
             kept = torch.exp(mixer.decay_rates() * dt[:, None]).amax(1)  # (d_inner,) best state entry
-            print(f"{len(prompt.input_ids):>6} tokens, layer {i}: {end - start} filler tokens; "
+            print(f"{len(prompt.input_ids):>6} tokens, layer {i}: {int(filler.sum())} filler tokens; "
                   f"{int((kept > 0.5).sum())} of {kept.numel()} channels keep > 1/2; best "
                   + " ".join(f"{v:.3f}" for v in kept.sort(descending=True).values[:5].tolist()), flush=True)
 
@@ -601,17 +606,13 @@ def load(folder):
     return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
 
 
-def passkey_stages(folder: Path) -> list[dict]:
-    """Every passkey fine-tuning stage that led to the model in `folder`, first to last: each stage's record
-    (passkey_* fields of its training report), found by following `passkey_started_from` back."""
-    stages = []
-    while True:
-        report = json.loads((folder / "training_report.json").read_text())
-        stages.insert(0, {k: v for k, v in report.items()
-                          if k.startswith("passkey_") and k not in ("passkey_stages", "passkey_logged_losses")})
-        if "passkey_started_from" not in report:
-            return stages
-        folder = Path(report["passkey_started_from"])
+def passkey_stages(report: dict) -> list[dict]:
+    """Every passkey fine-tuning stage that led to the model of `report`, first to last: the earlier stages'
+    records, which `finetune --start-from` carries in `passkey_stages`, then its own (passkey_* fields, without the
+    logged losses)."""
+    def record(fields):
+        return {k: v for k, v in fields.items() if k.startswith("passkey_") and k not in ("passkey_stages", "passkey_logged_losses")}
+    return [record(stage) for stage in report.get("passkey_stages", [])] + [record(report)]
 
 
 def ship(args):
@@ -621,9 +622,8 @@ def ship(args):
     model = SambaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     report = json.loads((folder / "training_report.json").read_text())
-    report["passkey_stages"] = passkey_stages(folder)
-    stages = report["passkey_stages"]
-    report.update(attention_reach=(model.config.sliding_window - 1) * model.config.layer_types.count("sliding_attention"),
+    stages = report["passkey_stages"] = passkey_stages(report)
+    report.update(attention_reach=attention_reach(model.config),
                   stretch=int(max(st.get("passkey_stretch_dt") or 1 for st in stages)))
     report.update(stage_count=len(stages), all_passkey_steps=sum(st["passkey_steps"] for st in stages),
                   all_passkey_minutes=round(sum(st["passkey_minutes"] for st in stages), 1),
@@ -715,6 +715,15 @@ def main():
     p.add_argument("--out", default="src/samba_hf/passkey_model")
     p.add_argument("--suffix", default="", help="ship ARCH-passkeySUFFIX")
     args = parser.parse_args()
+    if getattr(args, "stretch_dt", 1.0) < 1:
+        parser.error(f"--stretch-dt must be at least 1 (1: no stretch), got {args.stretch_dt}")
+    if getattr(args, "stretch_dt", 1.0) > 1 and args.arch != "samba":
+        parser.error(f"--stretch-dt stretches Mamba layers: {args.arch} has none")
+    folder = {"ship": lambda: WORK / f"samba-passkey{args.suffix}", "finetune": lambda: args.start_from,
+              "retention": lambda: args.model or WORK / f"samba-passkey{args.suffix}"}.get(args.command, lambda: None)()
+    if folder and not (Path(folder) / "training_report.json").is_file():
+        parser.error(f"{folder} is not a model folder of this experiment (no training_report.json): "
+                     "fine-tune it first, or check --suffix / --start-from / --model")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     {"train": train, "pretrain": pretrain, "finetune": finetune, "evaluate": evaluate, "plot": plot,
      "retention": retention, "ship": ship}[args.command](args)

@@ -119,3 +119,22 @@ def test_independent_prompts_have_the_papers_parts_and_fit(tokenizer, depth):
         " The pass key is 40213. Remember it. 40213 is the pass key.", "|")
     share = filler.index("|") / max(1, len(filler) - 1)
     assert abs(share - depth) < 0.05 and before > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ship", "--suffix=-nope", "--out", "OUT"], "samba-passkey-nope is not a model folder of this experiment"),
+    (["retention", "--model", "MISSING"], "MISSING is not a model folder of this experiment"),
+    (["finetune", "samba", "--start-from", "MISSING"], "MISSING is not a model folder of this experiment"),
+    (["finetune", "samba", "--stretch-dt", "0.5"], "--stretch-dt must be at least 1"),
+    (["finetune", "llama", "--stretch-dt", "8"], "--stretch-dt stretches Mamba layers: llama has none"),
+])
+def test_wrong_inputs_end_in_one_error_and_write_nothing(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    argv = [str(tmp_path / a) if a in ("OUT", "MISSING") else a for a in argv]
+    monkeypatch.setattr(sys, "argv", ["long_context.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        long_context.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing written
