@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments)
+                          MistralForCausalLM, PreTrainedTokenizerFast, Trainer, TrainerCallback, TrainingArguments)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_tiny import SPECIAL, Blocks, documents, package, stream, to_bfloat16_storage  # noqa: E402  (the same corpus and packaging)
@@ -231,7 +231,28 @@ def pad_right(batch, pad_id: int):
     return {"input_ids": ids, "labels": labels, "filler": filler}
 
 
-def run_trainer(model, dataset, steps: int, lr: float, batch_size: int, collator=None, weight_decay: float = 0.1) -> float:
+class EarlyStop(TrainerCallback):
+    """Ends training after `minutes` (the step then reached goes into the report) or after step `at_step`, which
+    reruns such a run exactly; the learning-rate schedule stays the one of the full run's steps."""
+
+    def __init__(self, minutes: float | None = None, at_step: int | None = None):
+        self.deadline = None if minutes is None else time.perf_counter() + 60 * minutes
+        self.at_step = at_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if (self.deadline is not None and time.perf_counter() > self.deadline) or state.global_step == self.at_step:
+            control.should_training_stop = True
+
+
+def rerun_command(command: str, steps_reached: int) -> str:
+    """A --time-limit run's command with the limit replaced by the step it reached (--stop-at), to rerun it."""
+    words = shlex.split(command)
+    at = words.index("--time-limit")
+    return shlex.join(words[:at] + ["--stop-at", str(steps_reached)] + words[at + 2:])
+
+
+def run_trainer(model, dataset, steps: int, lr: float, batch_size: int, collator=None, weight_decay: float = 0.1,
+                stop: EarlyStop | None = None) -> float:
     args = TrainingArguments(
         output_dir=str(WORK / "trainer"), max_steps=steps, per_device_train_batch_size=batch_size, learning_rate=lr,
         lr_scheduler_type="cosine", warmup_steps=max(1, steps // 10), weight_decay=weight_decay, adam_beta2=0.95,
@@ -240,9 +261,11 @@ def run_trainer(model, dataset, steps: int, lr: float, batch_size: int, collator
         use_cpu=not torch.cuda.is_available(),
     )
     start = time.perf_counter()
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                      callbacks=[stop or EarlyStop()])
     trainer.train()
     run_trainer.logged_losses = [entry for entry in trainer.state.log_history if "loss" in entry]
+    run_trainer.steps_reached = trainer.state.global_step
     return (time.perf_counter() - start) / 60
 
 
@@ -300,7 +323,7 @@ def finetune(args):
     digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]  # one token each in this tokenizer
     stretch = TimeStretch(model, args.stretch_dt, args.stretch_tokens, digits) if args.stretch_dt > 1 else None
     model.train()
-    samples = PasskeySamples(tokenizer, args.passkey_steps * args.passkey_batch_size, TRAINING_LENGTH,
+    samples = PasskeySamples(tokenizer, args.passkey_steps * args.passkey_batch_size, args.passkey_max_length,
                              args.passkey_min_length, answer_only=args.answer_only,
                              min_key_distance=args.min_key_distance)
     report["passkey_min_key_distance"] = args.min_key_distance
@@ -312,16 +335,20 @@ def finetune(args):
         return padded
 
     minutes = run_trainer(model, samples, args.passkey_steps, args.passkey_lr, args.passkey_batch_size,
-                          collator=collate,
-                          weight_decay=args.passkey_weight_decay)
+                          collator=collate, weight_decay=args.passkey_weight_decay,
+                          stop=EarlyStop(args.time_limit, args.stop_at))
     if stretch is not None:
         stretch.remove()
         report.update(passkey_stretch_dt=args.stretch_dt, passkey_stretch_tokens=args.stretch_tokens)
     report.update(passkey_steps=args.passkey_steps, passkey_batch_size=args.passkey_batch_size, passkey_minutes=round(minutes, 1), passkey_device=DEVICE,
-                  passkey_lr=args.passkey_lr, passkey_weight_decay=args.passkey_weight_decay, passkey_lengths=[args.passkey_min_length, TRAINING_LENGTH],
+                  passkey_lr=args.passkey_lr, passkey_weight_decay=args.passkey_weight_decay, passkey_lengths=[args.passkey_min_length, args.passkey_max_length],
                   passkey_loss="answer" if args.answer_only else "all tokens",
                   passkey_command=shlex.join(["python", "examples/long_context.py", *sys.argv[1:]]),
                   passkey_logged_losses=run_trainer.logged_losses)
+    if run_trainer.steps_reached < args.passkey_steps:
+        report.update(passkey_steps_reached=run_trainer.steps_reached)
+        if args.time_limit is not None:
+            report["passkey_rerun_command"] = rerun_command(report["passkey_command"], run_trainer.steps_reached)
     model.eval()
     check = passkey_eval(model, tokenizer, [TRAINING_LENGTH, 4 * TRAINING_LENGTH], [0.0, 0.5, 1.0], trials=4, seed=1)
     report["passkey_check"] = {c["length"]: c["accuracy"] for c in check["cells"] if c["depth"] == 0.0}
@@ -407,11 +434,13 @@ def plot(args=None):
     if results["passkey"]:
         # accuracy over all depths per length, one line per model (the paper's Figure 3 view)
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        for arch, result in results["passkey"].items():
+        for i, (arch, result) in enumerate(results["passkey"].items()):
             mean = [sum(c["accuracy"] for c in result["cells"] if c["length"] == n) / len(result["depths"])
                     for n in result["lengths"]]
             learned = mean[result["lengths"].index(TRAINING_LENGTH)] >= 0.95 if TRAINING_LENGTH in result["lengths"] else True
-            (line,) = ax.plot(result["lengths"], mean, marker="o",
+            # smaller markers for each later model: lines that coincide stay visible
+            (line,) = ax.plot(result["lengths"], mean, marker="os^D"[i % 4], markersize=9 - 2 * (i % 4),
+                              linewidth=2.5 - 0.6 * (i % 4),
                               label=arch if learned else f"{arch} (did not learn the task at {TRAINING_LENGTH})")
             if result.get("attention_reach"):
                 ax.axvline(result["attention_reach"], color=line.get_color(), linestyle="--", linewidth=0.8,
@@ -678,6 +707,13 @@ def main():
         p.add_argument("--lr", type=float, default=3e-3)
         p.add_argument("--passkey-lr", type=float, default=1.5e-3)
         p.add_argument("--passkey-min-length", type=int, default=128)
+        p.add_argument("--passkey-max-length", type=int, default=TRAINING_LENGTH,
+                       help="the longest fine-tuning prompt (shorter for a curriculum's first stage)")
+        p.add_argument("--time-limit", type=float, default=None,
+                       help="stop the passkey fine-tuning after this many minutes (the report records the step "
+                            "reached, and the command with --stop-at that reruns it)")
+        p.add_argument("--stop-at", type=int, default=None,
+                       help="stop the passkey fine-tuning after this step of its --passkey-steps schedule")
         p.add_argument("--answer-only", action="store_true", help="fine-tune with the loss on the answer alone")
         p.add_argument("--suffix", default="", help="written to ARCH-passkeySUFFIX (trying recipes)")
         p.add_argument("--bf16", action="store_true", help="store the fine-tuned weights in bfloat16")
@@ -719,6 +755,15 @@ def main():
         parser.error(f"--stretch-dt must be at least 1 (1: no stretch), got {args.stretch_dt}")
     if getattr(args, "stretch_dt", 1.0) > 1 and args.arch != "samba":
         parser.error(f"--stretch-dt stretches Mamba layers: {args.arch} has none")
+    if hasattr(args, "passkey_max_length"):
+        if not args.passkey_min_length <= args.passkey_max_length <= TRAINING_LENGTH:
+            parser.error(f"fine-tuning prompts need --passkey-min-length <= --passkey-max-length <= {TRAINING_LENGTH} "
+                         f"(the training length), got {args.passkey_min_length} and {args.passkey_max_length}")
+        if args.time_limit is not None and args.time_limit <= 0:
+            parser.error(f"--time-limit is in minutes and must be positive, got {args.time_limit}")
+        if args.stop_at is not None and not 1 <= args.stop_at <= args.passkey_steps:
+            parser.error(f"--stop-at must be a step of the schedule, 1 to --passkey-steps ({args.passkey_steps}), "
+                         f"got {args.stop_at}")
     folder = {"ship": lambda: WORK / f"samba-passkey{args.suffix}", "finetune": lambda: args.start_from,
               "retention": lambda: args.model or WORK / f"samba-passkey{args.suffix}"}.get(args.command, lambda: None)()
     if folder and not (Path(folder) / "training_report.json").is_file():

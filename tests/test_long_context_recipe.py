@@ -121,12 +121,40 @@ def test_independent_prompts_have_the_papers_parts_and_fit(tokenizer, depth):
     assert abs(share - depth) < 0.05 and before > 0
 
 
+def test_a_time_limited_run_is_rerun_exactly_by_its_stop_at_command(tmp_path, monkeypatch):
+    """The baselines' GPU runs stopped at a time limit; their reports give the --stop-at command that reruns them:
+    the same steps of the same (longer) learning-rate schedule, so the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    rows = [{"input_ids": list(range(i, i + 16)), "labels": list(range(i, i + 16))} for i in range(64)]
+    runs = []
+    for stop in (long_context.EarlyStop(minutes=1e-9), long_context.EarlyStop(at_step=1), long_context.EarlyStop()):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=1))
+        long_context.run_trainer(model, rows, steps=8, lr=1e-2, batch_size=4, stop=stop)
+        runs.append((long_context.run_trainer.steps_reached, [p.detach().clone() for p in model.parameters()]))
+    (timed, timed_weights), (rerun, rerun_weights), (full, full_weights) = runs
+    assert timed == rerun == 1 and full == 8
+    for a, b in zip(timed_weights, rerun_weights):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert any(not torch.equal(a, b) for a, b in zip(timed_weights, full_weights))
+    command = "python examples/long_context.py finetune llama --passkey-steps 8 --time-limit 6.8 --suffix=-h1"
+    assert long_context.rerun_command(command, 1) == (
+        "python examples/long_context.py finetune llama --passkey-steps 8 --stop-at 1 --suffix=-h1")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["ship", "--suffix=-nope", "--out", "OUT"], "samba-passkey-nope is not a model folder of this experiment"),
     (["retention", "--model", "MISSING"], "MISSING is not a model folder of this experiment"),
     (["finetune", "samba", "--start-from", "MISSING"], "MISSING is not a model folder of this experiment"),
     (["finetune", "samba", "--stretch-dt", "0.5"], "--stretch-dt must be at least 1"),
     (["finetune", "llama", "--stretch-dt", "8"], "--stretch-dt stretches Mamba layers: llama has none"),
+    (["finetune", "llama", "--passkey-max-length", "4096"], "--passkey-max-length <= 512 (the training length)"),
+    (["finetune", "llama", "--passkey-min-length", "300", "--passkey-max-length", "200"], "got 300 and 200"),
+    (["finetune", "mistral", "--time-limit", "-1"], "--time-limit is in minutes and must be positive"),
+    (["finetune", "llama", "--passkey-steps", "10", "--stop-at", "11"], "--stop-at must be a step of the schedule"),
 ])
 def test_wrong_inputs_end_in_one_error_and_write_nothing(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(tmp_path)
