@@ -80,6 +80,9 @@ def _positive_list(flag: str, text: str, kind=int) -> list:
     return values
 
 
+MAX_EVAL_TOKENS = 2**24  # 16M tokens: the prompt alone takes ~256 MB as ids; the paper's longest passkey is 256K
+
+
 def check_eval_arguments(args) -> None:
     """What can be wrong with `eval`'s arguments without loading anything."""
     for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer), ("--out", args.out)):
@@ -89,6 +92,9 @@ def check_eval_arguments(args) -> None:
         args.lengths = _positive_list("--lengths", args.lengths)
         if min(args.lengths) < 1:
             raise UserError(f"--lengths must be token counts of at least 1, got {min(args.lengths)}")
+        if max(args.lengths) > MAX_EVAL_TOKENS:
+            raise UserError(f"--lengths {max(args.lengths)} is more than the {MAX_EVAL_TOKENS:,} tokens (2^24) samba-hf "
+                            "eval builds a prompt of; pass lengths up to that")
         if args.trials < 1:
             raise UserError("--trials must be at least 1")
     if args.task == "passkey":
@@ -102,8 +108,8 @@ def check_eval_arguments(args) -> None:
             raise UserError("--max-tokens must be at least 2 (the first token is not scored)")
     if args.prefill_chunk_size < 1:
         raise UserError("--prefill-chunk-size must be at least 1")
-    if args.seed < 0:
-        raise UserError(f"--seed must be 0 or more, got {args.seed}")
+    if not 0 <= args.seed < 2**64:  # torch.manual_seed's range, as generate's --seed
+        raise UserError(f"--seed must be between 0 and 2**64 - 1, got {args.seed}")
 
 
 class Parser(argparse.ArgumentParser):

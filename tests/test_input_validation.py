@@ -153,8 +153,26 @@ def test_ids_outside_the_vocabulary(model, low, high):
 
 
 def test_empty_sequence(model, ids):
-    with raises(r"input_ids must have shape \(batch, seq\) with seq >= 1, got \(2, 0\)"):
+    with raises(r"input_ids must have shape \(batch, seq\) with batch >= 1 and seq >= 1, got \(2, 0\)"):
         model(ids[:, :0])
+
+
+def test_empty_batch(model, ids):
+    # transformers' Llama fails inside its attention ("cannot reshape tensor of 0 elements"); one clear error here
+    with raises(r"input_ids must have shape \(batch, seq\) with batch >= 1 and seq >= 1, got \(0, 5\)"):
+        model(torch.zeros(0, 5, dtype=torch.long))
+    with raises(r"inputs_embeds must have shape \(batch, seq, hidden_size\) with batch >= 1 and seq >= 1, got "
+                rf"\(0, 5, {model.config.hidden_size}\)"):
+        model(inputs_embeds=torch.zeros(0, 5, model.config.hidden_size))
+
+
+@pytest.mark.parametrize("keep", [-1, -3])
+def test_negative_logits_to_keep(model, ids, keep):
+    # transformers' Llama reads -3 as slice(3, None), the last seq-3 positions: an accident, refused here
+    with raises(rf"logits_to_keep must be 0 \(every position\), a count of last positions >= 1, or a 1D tensor of "
+                rf"positions, got {keep}"):
+        model(ids, logits_to_keep=keep)
+    assert model(ids, logits_to_keep=2).logits.shape[1] == 2
 
 
 @pytest.mark.parametrize("shape", [(12,), (1, 2, 6)])

@@ -18,7 +18,7 @@ from samba_hf.conversion import ConversionError, convert, export_lit_gpt, lit_gp
 from samba_hf.cli import main
 
 from conftest import tiny_model
-from test_conversion_official import official_config, official_state_dict, save_official, true_model
+from test_conversion_official import official_config, official_state_dict, save_fla, save_official, true_model
 from test_conversion_transformers import save_mamba
 
 
@@ -355,6 +355,25 @@ def test_a_wrong_config_json(tmp_path, capsys, content, fragment):
     one_line_error(capsys, ["convert", "lit-gpt", str(src), str(tmp_path / "out"), "--config",
                             str(tmp_path / "bad.json")], fragment)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("source", ["fla", "mamba", "mistral"])
+@pytest.mark.parametrize("content, fragment", [
+    (b"{not json", "is not readable JSON (Expecting property name"),
+    (b"\xff\xfe{}", "is not readable JSON ('utf-8' codec can't decode"),
+    (b"[1, 2]", "holds list, not a JSON object of config fields"),
+])
+def test_a_source_config_json_that_is_not_json(tmp_path, capsys, source, content, fragment):
+    if source == "fla":
+        src = save_fla(tmp_path, true_model(["mamba", "attn"], seed=6), attn_layers=[1])
+    else:  # the Mistral converter reads config.json the same way; a Mamba folder's weights serve for the test
+        src = tmp_path / "src"
+        save_mamba(src, layers=1)
+    (src / "config.json").write_bytes(content)
+    before = listing(src)
+    one_line_error(capsys, ["convert", source, str(src), str(tmp_path / "out")], fragment,
+                   "restore the source's config.json")
+    assert not (tmp_path / "out").exists() and listing(src) == before
 
 
 # ---------------------------------------------------------------- the source folder's tokenizer comes along

@@ -831,10 +831,11 @@ class SambaModel(SambaPreTrainedModel):
         """Raise a ValueError that names the problem and the fix for inputs that would otherwise fail deep in torch
         or silently change the result. Cheap: shapes, and one look at the ids and at a 2D mask (small tensors)."""
         if input_ids is not None:
-            if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            if input_ids.ndim != 2 or 0 in input_ids.shape:
                 raise ValueError(
-                    f"input_ids must have shape (batch, seq) with seq >= 1, got {tuple(input_ids.shape)}: pass at "
-                    "least one token, and add the batch dimension to a single sequence (`input_ids[None]`)."
+                    f"input_ids must have shape (batch, seq) with batch >= 1 and seq >= 1, got "
+                    f"{tuple(input_ids.shape)}: pass at least one sequence of at least one token, and add the batch "
+                    "dimension to a single sequence (`input_ids[None]`)."
                 )
             if input_ids.dtype not in (torch.long, torch.int):
                 raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}: use `.long()`.")
@@ -845,9 +846,9 @@ class SambaModel(SambaPreTrainedModel):
                     f"entries (ids 0..{self.config.vocab_size - 1}): the tokenizer does not match this model, or "
                     "padding/label values (-100) were passed as ids; resize the embeddings if tokens were added."
                 )
-        elif inputs_embeds.ndim != 3 or inputs_embeds.shape[1] == 0:
+        elif inputs_embeds.ndim != 3 or 0 in inputs_embeds.shape[:2]:
             raise ValueError(
-                f"inputs_embeds must have shape (batch, seq, hidden_size) with seq >= 1, got "
+                f"inputs_embeds must have shape (batch, seq, hidden_size) with batch >= 1 and seq >= 1, got "
                 f"{tuple(inputs_embeds.shape)}."
             )
         batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
@@ -1083,6 +1084,9 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         >>> out = model(ids, labels=ids)
         >>> out.loss, out.logits.shape
         ```"""
+        if isinstance(logits_to_keep, int) and logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be 0 (every position), a count of last positions >= 1, or a 1D "
+                             f"tensor of positions, got {logits_to_keep}")
         keep_last = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else None
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,

@@ -104,7 +104,15 @@ class Checkpoint:
         file = self.path / "config.json" if self.path.is_dir() else self.path.parent / "config.json"
         if not file.is_file():
             raise ConversionError(f"no config.json beside {self.path}: pass the model folder that holds it.")
-        return json.loads(file.read_text())
+        try:
+            fields = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise ConversionError(f"{file} is not readable JSON ({error}): restore the source's config.json, "
+                                  "or pass --config with the model's configuration.") from None
+        if not isinstance(fields, dict):
+            raise ConversionError(f"{file} holds {type(fields).__name__}, not a JSON object of config fields: "
+                                  "restore the source's config.json.")
+        return fields
 
 
 def heads_tied(checkpoint: Checkpoint, embedding: str, head: str = "lm_head.weight", declared: bool = True) -> bool:

@@ -83,8 +83,9 @@ def plan_mamba(checkpoint: Checkpoint, config: SambaConfig | None = None):
 
 def plan_same_names(source: str):
     def plan(checkpoint: Checkpoint, config: SambaConfig | None = None):
-        hf = checkpoint.read_config()
-        config = config or (config_from_mistral(hf) if source == "mistral" else config_from_llama(hf))
+        if config is None:
+            hf = checkpoint.read_config()
+            config = config_from_mistral(hf) if source == "mistral" else config_from_llama(hf)
         names = {name: name for name in expected_tensors(config)} | {"lm_head.weight": "lm_head.weight"}
         return _rename(checkpoint, config, names, f"transformers {source.capitalize()}", "model.embed_tokens.weight")
 
