@@ -109,6 +109,19 @@ def test_config_json_with_invalid_values(capsys, folder, changes, fragment):
     refused(capsys, generate(folder), "config.json", fragment)
 
 
+@pytest.mark.parametrize("content, fragment", [
+    ("{\"max_new_tokens\": 5,", "is not a valid JSON file"),
+    ("[1, 2]", "'list' object is not a mapping"),
+    ("{\"max_new_tokens\": -5}", "`max_new_tokens` must be greater than 0"),
+])
+def test_a_generation_config_json_that_cannot_be_read_is_not_dropped(capsys, folder, content, fragment):
+    # transformers' from_pretrained drops it without a word and decodes with other settings
+    (folder / "generation_config.json").write_text(content)
+    refused(capsys, generate(folder), "generation_config.json' cannot be read", fragment,
+            "remove it to decode with the settings of config.json")
+    refused(capsys, ["eval", "passkey", "--model", str(folder), "--lengths", "200"], fragment)
+
+
 def test_another_model_type(capsys, folder):
     edit_config(folder, model_type="llama")
     refused(capsys, generate(folder), "'llama' model, not a Samba model", "samba-hf convert")

@@ -133,3 +133,26 @@ def assert_loads_without_the_package(folder, class_name="SambaForCausalLM"):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=folder)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"REMOTE-OK {class_name}" in result.stdout
+
+
+def test_a_save_replaces_the_weights_of_an_earlier_save_in_the_same_folder(tmp_path):
+    """Shards saved where one model.safetensors was (or the reverse): the reload gives the new weights. transformers'
+    Llama keeps the earlier model.safetensors beside the new shards and from_pretrained loads it instead."""
+    def weights(model):
+        return [p.detach().clone() for p in model.parameters()]
+
+    folder = tmp_path / "m"
+    for step, (seed, shard) in enumerate([(1, None), (2, "20KB"), (3, None), (4, "20KB")]):
+        model = tiny_model(seed=seed)
+        model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+        names = sorted(p.name for p in folder.glob("model*.safetensors*"))
+        if shard:
+            assert "model.safetensors" not in names and "model.safetensors.index.json" in names and len(names) > 2
+        else:
+            assert names == ["model.safetensors"], names
+        reloaded = SambaForCausalLM.from_pretrained(folder)
+        for a, b in zip(weights(reloaded), weights(model)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    (folder / "notes.txt").write_text("mine")
+    tiny_model(seed=5).save_pretrained(folder)  # nothing else of the folder is touched
+    assert (folder / "notes.txt").read_text() == "mine"

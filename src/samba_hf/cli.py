@@ -123,7 +123,8 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype, any_mo
          default: str = "default"):
     """(tokenizer, model) for generate / eval: a local folder is checked in full first (`samba_hf.model_folder`).
     `any_model`: any causal LM transformers loads (eval), not only Samba / SambaY (generate)."""
-    from .model_folder import ModelFolderError, check_tokenizer, load_model, model_classes, read_config, tokenizer_for
+    from .model_folder import (ModelFolderError, check_generation_config, check_tokenizer, load_model, model_classes,
+                               read_config, tokenizer_for)
 
     path = model_arg or default_model_path(default)
     local = os.path.isdir(path)
@@ -136,6 +137,8 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype, any_mo
         config = read_config(path) if samba_folder else None  # what is wrong with config.json is said first
         if local and tokenizer_arg is None:
             check_tokenizer(path)
+        if local:
+            check_generation_config(path)
     except ModelFolderError as error:
         raise UserError(str(error))
     try:

@@ -103,6 +103,22 @@ def check_tokenizer(path: str | os.PathLike) -> None:
         )
 
 
+def check_generation_config(path: str | os.PathLike) -> None:
+    """A generation_config.json that transformers cannot read is dropped by `from_pretrained` without a word (the
+    model then decodes with other settings than its folder says): refuse it instead."""
+    from transformers import GenerationConfig
+
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return
+    try:
+        GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelFolderError(f"{str(file)!r} cannot be read ({reason}); fix it, or remove it to decode with the "
+                               "settings of config.json") from None
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str = "auto", config: SambaConfig | None = None):
     """`SambaForCausalLM` / `SambaYForCausalLM.from_pretrained(path)` after the checks above, and with finite weights (`config`: the
     folder's, when `read_config` has already read it)."""

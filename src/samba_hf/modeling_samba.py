@@ -16,6 +16,7 @@ This file is also the remote code of a saved model: it imports only torch, trans
 """
 
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -685,10 +686,23 @@ class SambaPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained, plus what tools that never import samba_hf need: an `auto_map` entry for
         `AutoModel` too (transformers writes only the saved class's), and a model card with Hub metadata when the
-        folder has no README.md (one that is there is never replaced)."""
+        folder has no README.md (one that is there is never replaced). Saving shards where an earlier save left one
+        model.safetensors (or the reverse) removes the earlier one, as transformers removes earlier shards: otherwise
+        `from_pretrained` would load the earlier weights."""
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), "AutoModel": self._auto_model_entry}
+        single, index = (os.path.join(save_directory, name) for name in ("model.safetensors", "model.safetensors.index.json"))
+
+        def stamp(path):
+            return (os.stat(path).st_mtime_ns, os.stat(path).st_ino, os.stat(path).st_size) if os.path.isfile(path) else None
+
+        before = {path: stamp(path) for path in (single, index)}
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
+            written = [path for path in (single, index) if stamp(path) not in (None, before[path])]
+            if len(written) == 1:  # the other one, if there, is an earlier save's
+                earlier = index if written[0] == single else single
+                if os.path.isfile(earlier):
+                    os.remove(earlier)
             try:
                 with open(f"{save_directory}/README.md", "x") as card:  # "x": only where there is none
                     card.write(model_card(self.config, "Samba model", "Saved with samba-hf's `save_pretrained`."))
