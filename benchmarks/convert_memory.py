@@ -62,7 +62,7 @@ def main():
         torch.save({"model": state, "iter_num": 1}, src)
         del state
         size = src.stat().st_size
-        command = [sys.executable, "-m", "samba_hf.cli", "convert", "lit-gpt", str(src), str(Path(tmp) / "out"),
+        command = [sys.executable, "-m", "samba_hf_cli", "convert", "lit-gpt", str(src), str(Path(tmp) / "out"),
                    "--config", args.config, "--no-verify"] + (["--dtype", args.dtype] if args.dtype else [])
         elapsed, peak_anon, peak_file = run_and_sample(command)
         params = sum(math.prod(s) for n, s in shapes.items() if n != "lm_head.weight")

@@ -70,7 +70,7 @@ def main():
         shutil.rmtree(backing)
         built = time.perf_counter() - start
         size = pt.stat().st_size
-        command = [sys.executable, "-m", "samba_hf.cli", "convert", "megatron", str(folder), str(Path(tmp) / "out"),
+        command = [sys.executable, "-m", "samba_hf_cli", "convert", "megatron", str(folder), str(Path(tmp) / "out"),
                    "--no-verify", "--dtype", "bfloat16"]
         elapsed, peak_anon, peak_file = run_and_sample(command)
         written = sum(p.stat().st_size for p in (Path(tmp) / "out").glob("*.safetensors"))

@@ -239,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             args.check(args)
         from samba_hf import cli  # torch, transformers and the model: only now
 
-        return cli.COMMANDS[args.command_name](args)
+        try:
+            return cli.COMMANDS[args.command_name](args)
+        except cli.UserError as error:  # a mistake found while the command ran: said the same way
+            raise UserError(str(error)) from None
     except UserError as error:
         print(f"samba-hf: error: {one_line(error)}", file=sys.stderr)
         return 1

@@ -9,13 +9,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from samba_hf.cli import default_model_path, main
+from samba_hf.cli import default_model_path
+from samba_hf_cli import main
 
 from conftest import tiny_model
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "samba_hf.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "samba_hf_cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_generate_on_the_embedded_default_streams_greedy_tokens():
@@ -144,3 +145,11 @@ def test_the_same_command_gives_the_same_text_and_says_which_dtype(tmp_path):
     dtype, why = cli.auto_dtype(torch.device("cpu"))
     said = f"samba-hf: --dtype auto: {str(dtype).removeprefix('torch.')}, as {why}"
     assert all(said in run.stderr and f"cpu, {str(dtype).removeprefix('torch.')})" in run.stderr for run in runs)
+
+
+def test_the_commands_module_does_not_import_the_entry_point_back():
+    """samba_hf_cli (parsing, stdlib only) imports samba_hf.cli (the commands) once a command runs; never the reverse."""
+    code = ("import sys, samba_hf.cli; assert 'samba_hf_cli' not in sys.modules, 'cycle'; "
+            "import samba_hf_cli; print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from samba_hf import SambaConfig, SambaForCausalLM
-from samba_hf.cli import main
+from samba_hf_cli import main
 from samba_hf.conversion import ConversionError, convert, export_megatron, megatron
 
 from conftest import tiny_model

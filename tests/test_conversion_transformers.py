@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from samba_hf import SambaForCausalLM
-from samba_hf.cli import main
+from samba_hf_cli import main
 from samba_hf.conversion import ConversionError, convert, lit_gpt
 
 VOCAB = 100

@@ -12,7 +12,8 @@ from transformers import (AutoTokenizer, GenerationMixin, LlamaConfig, LlamaForC
 from transformers.modeling_outputs import CausalLMOutput
 
 from samba_hf import SambaConfig, SambaForCausalLM
-from samba_hf.cli import default_model_path, main
+from samba_hf.cli import default_model_path
+from samba_hf_cli import main
 from samba_hf.evaluation import (PASSKEY_FILLER, PASSKEY_INSTRUCTION, PASSKEY_NEEDLE, PASSKEY_QUESTION, Prompt, answer,
                                  exact_match,
                                  passkey_eval, passkey_prompt, perplexity_by_position, phonebook_eval,

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from samba_hf.conversion import ConversionError, convert, export_lit_gpt, lit_gpt, writer
-from samba_hf.cli import main
+from samba_hf_cli import main
 
 from conftest import tiny_model
 from test_conversion_official import official_config, official_state_dict, save_fla, save_official, true_model

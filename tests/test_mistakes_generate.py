@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from samba_hf.cli import default_model_path, main
+from samba_hf.cli import default_model_path
+from samba_hf_cli import main
 
 
 def refused(capsys, argv, *fragments):

@@ -382,7 +382,8 @@ def test_save_pretrained_loads_with_and_without_samba_hf(tmp_path):
 
 
 def test_the_cli_says_the_released_folder_has_no_tokenizer_and_runs_with_one(tmp_path, capsys):
-    from samba_hf.cli import default_model_path, main
+    from samba_hf.cli import default_model_path
+    from samba_hf_cli import main
 
     release_folder(tmp_path / "release")
     assert main(["generate", "The assert", "--model", str(tmp_path / "release")]) == 1
@@ -433,7 +434,7 @@ def test_a_tokenizer_from_elsewhere_gets_the_folders_chat_tokens_and_template(tm
 def test_the_cli_chats_in_the_release_format_and_stops_at_the_end_of_the_turn(tmp_path, capsys):
     """A model that always predicts <|end|> (52): with --chat the reply ends at once; as a plain continuation it
     runs to --max-new-tokens (this folder has no generation_config.json: the template's end of turn is the stop)."""
-    from samba_hf.cli import main
+    from samba_hf_cli import main
 
     release_folder(tmp_path / "release", favour=52, generation_config=False)
     word_tokenizer(tmp_path / "words")

@@ -1,4 +1,5 @@
-"""The `samba-hf` commands (generate, convert, export); parsing and the model-free checks are in `samba_hf_cli`.
+"""The `samba-hf` commands (generate, convert, export, eval); parsing, the model-free checks and the entry point are in
+`samba_hf_cli`, which imports this module once a command runs (this one never imports it back).
 
 Mistakes a user can make (a missing or damaged folder, a folder that is not a Samba model, weights that do not match
 their config, no tokenizer, a prompt the model cannot take, a device that is not there, a checkpoint that does not
@@ -15,7 +16,10 @@ from importlib import resources
 from transformers import TextStreamer
 from transformers.utils import logging
 
-from samba_hf_cli import UserError, main
+
+class UserError(Exception):
+    """A mistake of the user's found while a command runs; `samba_hf_cli.main` says it in one line (exit status 1)."""
+
 
 logging.disable_progress_bar()  # the commands print their own progress
 
@@ -482,7 +486,4 @@ def _note_positions(model, length: int) -> None:
 
 COMMANDS = {"generate": generate, "convert": convert, "export": export, "eval": evaluate}
 
-__all__ = ["COMMANDS", "UserError", "default_model_path", "main"]
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["COMMANDS", "UserError", "default_model_path"]

@@ -324,7 +324,7 @@ def is_our_export(path: Path) -> bool:
 
 
 def command_line(argv: list[str] | None = None) -> str:
-    """The samba-hf command as typed: `argv` as given to `samba_hf.cli.main` (sys.argv[1:] when None)."""
+    """The samba-hf command as typed: `argv` as given to `samba_hf_cli.main` (sys.argv[1:] when None)."""
     return shlex.join(["samba-hf", *(sys.argv[1:] if argv is None else argv)])
 
 
