@@ -3,6 +3,7 @@ re-implementation of the released math in `sambay_reference.py`, the released fo
 and every generate mode against recomputation, training, and save / remote code."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from samba_hf import SambaYConfig, SambaYForCausalLM
+from samba_hf import SambaConfig, SambaYConfig, SambaYForCausalLM
 
 from sambay_reference import random_weights, reference_logits
 from conftest import held_bytes
@@ -499,9 +500,31 @@ def test_trainer_lowers_the_loss(tmp_path):
     ({"mb_per_layer": 3}, "`mb_per_layer` must be 2"),
     ({"layer_types": ["full_attention"] * 8}, "leave it unset"),
     ({"sliding_window": 0}, "`sliding_window` must be a positive integer"),
-    ({"hidden_size": "32"}, "`hidden_size` must be a positive integer"),
+    ({"hidden_size": "32"}, "`hidden_size` must be an int, got '32' (str); set it to such a value (default: 2560)"),
     ({"layer_norm_eps": -1.0}, "`layer_norm_eps` must be > 0"),
 ])
 def test_configs_the_model_cannot_build_name_the_field(fields, fragment):
-    with pytest.raises(ValueError, match="SambaYConfig: .*" + fragment.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match="SambaYConfig: .*" + re.escape(fragment)):
         SambaYConfig(**{**TINY, **fields})
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"mamba_dt_rank": "bogus"}, "`mamba_dt_rank` must be a positive int or \"auto\""),
+    ({"mamba_dt_rank": 0}, "`mamba_dt_rank` must be a positive int or \"auto\""),
+    ({"inference_chunk_size": -1}, "`inference_chunk_size` must be an integer >= 0 (0 turns chunking off)"),
+    ({"hidden_act": "bogus_act"}, "`hidden_act` must name an activation of transformers' ACT2FN"),
+    ({"attention_dropout": "x"}, "`attention_dropout` must be a finite number, got 'x' (str)"),
+    ({"mamba_dt_min": 0.5, "mamba_dt_max": 0.1}, "need 0 < `mamba_dt_min` (0.5) <= `mamba_dt_max` (0.1)"),
+    ({"tie_word_embeddings": "yes"}, "`tie_word_embeddings` must be true or false (a bool)"),
+    ({"eos_token_id": "end"}, "`eos_token_id` must be an int, a list of ints or None"),
+])
+def test_samba_and_sambay_configs_refuse_a_shared_field_the_same_way(fields, fragment):
+    """The fields both configs have are checked by one mechanism (configuration_samba's check_field_types and
+    check_shared_fields): the same value gets the same message, naming the class, the field and the fix."""
+    messages = []
+    for config_class, base in ((SambaYConfig, TINY), (SambaConfig, {})):
+        with pytest.raises(ValueError, match=re.escape(fragment)) as error:
+            config_class(**{**base, **fields})
+        assert str(error.value).startswith(f"{config_class.__name__}: ")
+        messages.append(str(error.value).split(": ", 1)[1].split("; set it to such a value")[0])
+    assert messages[0] == messages[1]

@@ -62,6 +62,56 @@ def is_finite_number(value) -> bool:
 def fail(message: str):
     raise ValueError(f"SambaConfig: {message}")
 
+
+# What a field may hold, by the words the error says: SambaConfig and SambaYConfig check their fields with these.
+FIELD_KINDS = {
+    "an int": is_int,
+    "an int or None": lambda value: value is None or is_int(value),
+    "a finite number": is_finite_number,
+    "true or false (a bool)": lambda value: isinstance(value, bool),
+}
+
+
+def check_field_types(config, fields: dict[str, tuple[str, ...]]):
+    """One ValueError that names the field, what it must hold and its default, for the first field (of `fields`: kind
+    -> names) whose value has the wrong type; before anything compares, divides or looks the value up."""
+    for expected, names in fields.items():
+        for name in names:
+            value = getattr(config, name)
+            if not FIELD_KINDS[expected](value):
+                raise ValueError(
+                    f"{type(config).__name__}: `{name}` must be {expected}, got {value!r} ({type(value).__name__}); "
+                    f"set it to such a value (default: {config.__dataclass_fields__[name].default!r})."
+                )
+
+
+def check_shared_fields(config):
+    """The fields Samba and SambaY share (their Mamba, activation, decoding and dropout settings), checked the same
+    way for both, after `check_field_types`."""
+    def refuse(message):
+        raise ValueError(f"{type(config).__name__}: {message}")
+
+    eos = config.eos_token_id
+    if not (eos is None or is_int(eos) or (isinstance(eos, list) and all(is_int(token) for token in eos))):
+        refuse(f"`eos_token_id` must be an int, a list of ints or None, got {eos!r}.")
+    rank = config.mamba_dt_rank
+    if not ((is_int(rank) and rank >= 1) or rank == "auto"):
+        refuse(f"`mamba_dt_rank` must be a positive int or \"auto\" (ceil(hidden_size / 16)), got {rank!r}.")
+    if not isinstance(config.hidden_act, str) or config.hidden_act not in ACT2FN:
+        refuse(f"`hidden_act` must name an activation of transformers' ACT2FN, such as \"silu\" (Samba's) or "
+               f"\"gelu\", got {config.hidden_act!r}; known: {sorted(ACT2FN)}.")
+    if config.inference_chunk_size < 0:
+        refuse(f"`inference_chunk_size` must be an integer >= 0 (0 turns chunking off), got "
+               f"{config.inference_chunk_size!r}.")
+    if not 0 < config.mamba_dt_min <= config.mamba_dt_max:
+        refuse(f"need 0 < `mamba_dt_min` ({config.mamba_dt_min}) <= `mamba_dt_max` ({config.mamba_dt_max}): the "
+               "range the Mamba step sizes are initialised in.")
+    if not 0 <= config.attention_dropout < 1:
+        refuse(f"`attention_dropout` must be in [0, 1) (0.0 turns it off), got {config.attention_dropout}.")
+    if config.initializer_range < 0:
+        refuse(f"`initializer_range` is a standard deviation: it must be >= 0 (default 0.02), got "
+               f"{config.initializer_range}.")
+
 # What NVIDIA's two 8B Mamba-2 models share (their Megatron `args`: hidden 4096, 32 heads in 8 query groups of kv_channels
 # 128, ffn 16384, RMSNorm eps 1e-5, position_embedding_type "none", untied output layer, padded vocabulary 256000).
 MEGATRON_8B = dict(
@@ -289,30 +339,13 @@ class SambaConfig(PreTrainedConfig):
     def _check_field_types(self):
         """Raise a ValueError that names the field for a value of the wrong type, before anything compares,
         divides or looks it up."""
-        for names, expected, accepts in (
-            (INT_FIELDS, "an int", is_int),
-            (OPTIONAL_INT_FIELDS, "an int or None", lambda value: value is None or is_int(value)),
-            (FLOAT_FIELDS, "a finite number", is_finite_number),
-            (BOOL_FIELDS, "true or false (a bool)", lambda value: isinstance(value, bool)),
-        ):
-            for name in names:
-                value = getattr(self, name)
-                if not accepts(value):
-                    fail(
-                        f"`{name}` must be {expected}, got {value!r} ({type(value).__name__}); set it to such a "
-                        f"value (default: {self.__dataclass_fields__[name].default!r})."
-                    )
-        eos = self.eos_token_id
-        if not (eos is None or is_int(eos) or (isinstance(eos, list) and all(is_int(token) for token in eos))):
-            fail(f"`eos_token_id` must be an int, a list of ints or None, got {eos!r}.")
-        if not (is_int(self.mamba_dt_rank) or self.mamba_dt_rank == "auto"):
-            fail(f"`mamba_dt_rank` must be a positive int or \"auto\" (ceil(hidden_size / 16)), got "
-                 f"{self.mamba_dt_rank!r}.")
-        for name in ("hidden_act", "mlp_hidden_act"):
-            value = getattr(self, name)
-            if not (value is None and name == "mlp_hidden_act") and (not isinstance(value, str) or value not in ACT2FN):
-                fail(f"`{name}` must name an activation of transformers' ACT2FN, such as \"silu\" (Samba's) or "
-                     f"\"gelu\", got {value!r}; known: {sorted(ACT2FN)}.")
+        check_field_types(self, {"an int": INT_FIELDS, "an int or None": OPTIONAL_INT_FIELDS,
+                                 "a finite number": FLOAT_FIELDS, "true or false (a bool)": BOOL_FIELDS})
+        check_shared_fields(self)
+        if self.mlp_hidden_act is not None and (not isinstance(self.mlp_hidden_act, str)
+                                                or self.mlp_hidden_act not in ACT2FN):
+            fail(f"`mlp_hidden_act` must name an activation of transformers' ACT2FN, such as \"gelu\", or be None (the "
+                 f"MLP then uses `hidden_act`), got {self.mlp_hidden_act!r}; known: {sorted(ACT2FN)}.")
         if self.rope_parameters is not None and not isinstance(self.rope_parameters, dict):
             fail(f"`rope_parameters` must be a dict such as {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}} "
                  f"or None, got {self.rope_parameters!r}.")
@@ -368,17 +401,8 @@ class SambaConfig(PreTrainedConfig):
                 )
         elif self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             fail(f"`sliding_window` must be a positive integer or None, got {self.sliding_window!r}.")
-        if not isinstance(self.inference_chunk_size, int) or self.inference_chunk_size < 0:
-            fail(f"`inference_chunk_size` must be an integer >= 0 (0 turns chunking off), got {self.inference_chunk_size!r}.")
-        if not 0 < self.mamba_dt_min <= self.mamba_dt_max:
-            fail(f"need 0 < `mamba_dt_min` ({self.mamba_dt_min}) <= `mamba_dt_max` ({self.mamba_dt_max}).")
         if self.rms_norm_eps <= 0:
             fail(f"`rms_norm_eps` must be > 0 (Samba uses 1e-5), got {self.rms_norm_eps}.")
-        if not 0 <= self.attention_dropout < 1:
-            fail(f"`attention_dropout` must be in [0, 1) (0.0 turns it off), got {self.attention_dropout}.")
-        if self.initializer_range < 0:
-            fail(f"`initializer_range` is a standard deviation: it must be >= 0 (default 0.02), got "
-                 f"{self.initializer_range}.")
 
     def validate(self):
         """transformers' checks (run on save), which know no "mlp" layer (NemotronH allows it with a validator of

@@ -21,6 +21,8 @@ import math
 
 from transformers import PreTrainedConfig
 
+from .configuration_samba import check_field_types, check_shared_fields
+
 BLOCK_TYPES = ("mamba", "sliding_attention", "memory", "full_attention", "gmu", "cross_attention")
 
 
@@ -93,6 +95,8 @@ class SambaYConfig(PreTrainedConfig):
     inference_chunk_size: int = 4096
 
     def __post_init__(self, **kwargs):
+        check_field_types(self, FIELD_TYPES)  # as SambaConfig checks its own
+        check_shared_fields(self)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "sliding_window", "mamba_d_state", "mamba_d_conv", "mamba_expand",
                      "max_position_embeddings"):
@@ -110,10 +114,8 @@ class SambaYConfig(PreTrainedConfig):
         if self.mb_per_layer != 2:
             fail(f"`mb_per_layer` must be 2 (Mamba on every second self-decoder layer, as released), got "
                  f"{self.mb_per_layer}.")
-        if not (isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0):
-            fail(f"`layer_norm_eps` must be > 0, got {self.layer_norm_eps!r}.")
-        if not 0 <= self.attention_dropout < 1:
-            fail(f"`attention_dropout` must be in [0, 1), got {self.attention_dropout!r}.")
+        if self.layer_norm_eps <= 0:
+            fail(f"`layer_norm_eps` must be > 0 (the release uses 1e-5), got {self.layer_norm_eps!r}.")
         if self.mamba_dt_rank == "auto":
             self.mamba_dt_rank = math.ceil(self.hidden_size / 16)
         if self.layer_types is None:
@@ -162,6 +164,18 @@ class SambaYConfig(PreTrainedConfig):
         own (they read layer L/2's memory and layer L/2+1's keys/values)."""
         return ["reuse" if block in ("gmu", "cross_attention") else "own" for block in self.block_types]
 
+
+# The type of each field, checked by `check_field_types` (shared with SambaConfig).
+FIELD_TYPES = {
+    "an int": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings", "sliding_window", "mb_per_layer", "mamba_d_state",
+               "mamba_d_conv", "mamba_expand", "inference_chunk_size"),
+    "an int or None": ("pad_token_id", "bos_token_id"),
+    "a finite number": ("initializer_range", "layer_norm_eps", "attention_dropout", "embd_pdrop", "resid_pdrop",
+                        "mamba_dt_min", "mamba_dt_max", "mamba_dt_init_floor", "mamba_dt_scale"),
+    "true or false (a bool)": ("use_cache", "tie_word_embeddings", "mlp_bias", "lm_head_bias", "mamba_conv_bias",
+                               "mamba_proj_bias"),
+}
 
 # The cache layer each block needs, in transformers' layer-type names (GMU and cross-attention layers get none: see
 # `kv_sharing_modes`).
