@@ -270,7 +270,7 @@ def main():
         args.prefill_dtype = "bfloat16" if speed["bfloat16"] >= speed["float32"] else "float32"
     results = {"command": " ".join(["python", "benchmarks/sambay_full_size.py"] + sys.argv[1:]),
                "machine": {"threads": torch.get_num_threads(), "torch": torch.__version__,
-                           "matmul_gflops": speed, "cpu": cpu_name()},
+                           "matmul_gflops": speed, "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d")},
                "prefill_dtype": args.prefill_dtype, "models": {}}
     print(f"matmul GFLOP/s: {speed}; prefill in {args.prefill_dtype}", file=sys.stderr)
     for name in args.models.split(","):
@@ -297,13 +297,17 @@ def report(path: str) -> int:
 
 
 def cpu_name() -> str:
+    """The CPU model and the instruction-set flags that decide its float32 / bf16 speed, as /proc/cpuinfo says."""
+    model, flags = "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return "unknown"
+    return f"{model} ({', '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_tile') if f in flags) or 'none of avx2, avx512f, avx512_bf16, amx_tile'})"
 
 
 if __name__ == "__main__":
