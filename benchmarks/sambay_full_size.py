@@ -307,7 +307,8 @@ def cpu_name() -> str:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return f"{model} ({', '.join(f for f in ('avx2', 'avx512f', 'avx512_bf16', 'amx_tile') if f in flags) or 'none of avx2, avx512f, avx512_bf16, amx_tile'})"
+    isa = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+    return f"{model} ({', '.join(f for f in isa if f in flags) or 'none of ' + ', '.join(isa)})"
 
 
 if __name__ == "__main__":

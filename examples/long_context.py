@@ -262,7 +262,7 @@ def run_trainer(model, dataset, steps: int, lr: float, batch_size: int, collator
     )
     start = time.perf_counter()
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
-                      callbacks=[stop or EarlyStop()])
+                      callbacks=[stop] if stop else None)
     trainer.train()
     run_trainer.logged_losses = [entry for entry in trainer.state.log_history if "loss" in entry]
     run_trainer.steps_reached = trainer.state.global_step

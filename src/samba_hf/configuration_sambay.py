@@ -100,8 +100,8 @@ class SambaYConfig(PreTrainedConfig):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "sliding_window", "mamba_d_state", "mamba_d_conv", "mamba_expand",
                      "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            value = getattr(self, name)  # an int: check_field_types has seen to that
+            if value < 1:
                 fail(f"`{name}` must be a positive integer, got {value!r}.")
         if self.num_hidden_layers % 4:
             fail(f"`num_hidden_layers` must be a multiple of 4 (the YOCO split is at L/2), got {self.num_hidden_layers}.")

@@ -690,10 +690,15 @@ class SambaPreTrainedModel(PreTrainedModel):
         model.safetensors (or the reverse) removes the earlier one, as transformers removes earlier shards: otherwise
         `from_pretrained` would load the earlier weights."""
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), "AutoModel": self._auto_model_entry}
-        single, index = (os.path.join(save_directory, name) for name in ("model.safetensors", "model.safetensors.index.json"))
+        single, index = (os.path.join(save_directory, name)
+                         for name in ("model.safetensors", "model.safetensors.index.json"))
 
-        def stamp(path):
-            return (os.stat(path).st_mtime_ns, os.stat(path).st_ino, os.stat(path).st_size) if os.path.isfile(path) else None
+        def stamp(path):  # what tells a file this call wrote from the one that was there
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:
+                return None
+            return stat.st_mtime_ns, stat.st_ino, stat.st_size
 
         before = {path: stamp(path) for path in (single, index)}
         super().save_pretrained(save_directory, *args, **kwargs)
