@@ -6,7 +6,7 @@ as vLLM runs it by default and with `--enforce-eager` (the plugin's classes alwa
     python benchmarks/vllm_serving.py --vllm-python .venv-vllm/bin/python --out benchmarks/results/vllm_serving.json
 
 Run from samba-hf's environment (it builds the Llama folder and runs `generate`); the servers run in the plugin's
-(`--vllm-python`, see README "Serving with vLLM"). Every request: a prompt of `--prompt-len` random token ids,
+(`--vllm-python`, see docs/serving.md). Every request: a prompt of `--prompt-len` random token ids,
 `--new-tokens` greedy tokens (EOS ignored), float32. Reported per engine, median over `--rounds` rounds (each engine
 once per round, in turn): output tokens/s over the whole batch (all requests sent at once) and time to first token
 (server: per request, from sending to the first streamed token, median and max over the requests; `generate`: the

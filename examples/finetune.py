@@ -4,7 +4,7 @@
     accelerate launch --multi_gpu --num_processes 2 examples/finetune.py --out /tmp/ft2 --per-device-batch 2  # 2 CPU
                                                         # processes on a machine without CUDA (gloo)
     accelerate launch --num_processes 8 examples/finetune.py --model PATH ...   # 8 GPUs, DDP
-    accelerate launch --config_file fsdp.yaml examples/finetune.py --model PATH  # FSDP (see README "Fine-tuning")
+    accelerate launch --config_file fsdp.yaml examples/finetune.py --model PATH  # FSDP (see docs/fine-tuning.md)
 
 `--global-batch` sequences per optimizer step are split over the processes (per-device batch x processes x
 accumulation), so the same command gives the same training whatever the number of processes. Without --model it

@@ -1,4 +1,4 @@
-"""The Samba paper's long-context result (Figures 3-4), at small scale: the commands behind LONG_CONTEXT.md.
+"""The Samba paper's long-context result (Figures 3-4), at small scale: the commands behind docs/long-context.md.
 
 Three models of the same size (5,904,128 parameters, 6 layers, hidden 256), trained with the same recipe on the same
 data at 512 tokens:
@@ -12,10 +12,10 @@ tokens: passkey retrieval (the fine-tuned models), perplexity vs position and ph
     python examples/long_context.py pretrain samba     # then mistral, llama: out/long_context/ARCH-base (CPU: minutes)
     python examples/long_context.py finetune samba --bf16   # out/long_context/ARCH-passkey (GPU: minutes; CPU: hours)
     python examples/long_context.py evaluate           # long_context/*.json, *.png (committed); --archs, --tasks
-    python examples/long_context.py plot               # the combined figures and LONG_CONTEXT.md's tables
+    python examples/long_context.py plot               # the combined figures and docs/long-context.md's tables
     python examples/long_context.py ship               # the passkey Samba -> src/samba_hf/passkey_model
 
-The defaults are what LONG_CONTEXT.md reports; `--help` on each lists the knobs. Training runs on the GPU when there
+The defaults are what docs/long-context.md reports; `--help` on each lists the knobs. Training runs on the GPU when there
 is one. Checkpoints go to out/long_context (git-ignored).
 """
 
@@ -477,7 +477,7 @@ def range_perplexity(result: dict, start: int, end: int) -> float:
 
 
 def tables(results) -> str:
-    """LONG_CONTEXT.md's tables, in Markdown, from the results."""
+    """docs/long-context.md's tables, in Markdown, from the results."""
     lines = []
     for arch, result in results["passkey"].items():
         lines += [f"passkey, {arch} ({result['trials']} trials per cell, {result.get('device', 'cpu')}):", "",
@@ -681,7 +681,7 @@ examples/long_context.py (the second stage started from the passkey model shippe
 
 The later stages put the key beyond attention's reach and stretch the Mamba layers' step sizes (`--stretch-dt`), so
 that only the recurrent state can answer and it must keep the key over up to {stretch} times the filler's length.
-LONG_CONTEXT.md in samba-hf has the recipe and the measurements (passkey retrieval far past 512 tokens). It is a
+docs/long-context.md in samba-hf has the recipe and the measurements (passkey retrieval far past 512 tokens). It is a
 demo of the evaluation tools, not a useful model.
 
 ```python

@@ -337,7 +337,7 @@ def test_embedded_models():
 def test_the_passkey_model_answers_past_its_training_length_through_plain_generate():
     """The shipped passkey Samba (fine-tuned on prompts of at most 512 tokens, window 64: its three attention layers
     reach 189 tokens back) through `model.generate` alone: the prompt as text, chunked prefill, greedy. What
-    LONG_CONTEXT.md measured: keys far beyond attention's reach, which only the Mamba state can carry, found at 2x,
+    docs/long-context.md measured: keys far beyond attention's reach, which only the Mamba state can carry, found at 2x,
     16x and 64x the fine-tuning length."""
     from transformers import AutoModelForCausalLM
 

@@ -32,7 +32,7 @@ DEFAULT_MODEL_NOTE = (
 EMBEDDED_MODELS = {"default": "default_model", "passkey": "passkey_model"}
 PASSKEY_MODEL_NOTE = (
     "embedded passkey model: a 5.9M-parameter Samba trained at 512 tokens and fine-tuned on 512-token passkey "
-    "prompts (examples/long_context.py, LONG_CONTEXT.md); pass --model to evaluate another model"
+    "prompts (examples/long_context.py, docs/long-context.md); pass --model to evaluate another model"
 )
 
 

@@ -1,7 +1,8 @@
-"""The bash blocks of README.md's section "Serving with vLLM" run as written, in this (vLLM's) environment, in a
-temporary folder where `path/to/...` are the test folders: the embedded default model as the Samba folder, the
-release-laid-out tiny SambaY as Phi-4-mini-flash-reasoning with the default model's tokenizer as the gpt-4o one, the
-tiny Mamba-2-Hybrid. Left to CI: the install command and the test command (which runs this)."""
+"""The blocks of samba-hf's pages that run in vLLM's environment (README.md and docs/*.md: the bash blocks that start
+by activating `.venv-vllm`) run as written, here, in a temporary folder where `path/to/...` are the test folders:
+the embedded default model as the Samba folder, the release-laid-out tiny SambaY as Phi-4-mini-flash-reasoning with
+the default model's tokenizer as the gpt-4o one, the tiny Mamba-2-Hybrid. Left to CI: the plugin's install command
+and its test command (which runs this). samba-hf's own tests (tests/test_docs.py) run every other block."""
 
 import os
 import re
@@ -11,21 +12,21 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def serving_blocks() -> list[tuple[int, str]]:
-    lines = README.read_text().splitlines()
-    start = lines.index("## Serving with vLLM")
-    end = next(n for n in range(start + 1, len(lines)) if lines[n].startswith("## "))
+def vllm_blocks(page: Path) -> list[tuple[str, int, str]]:
+    """(page, line of the opening fence, body) of each bash block that is for vLLM's environment."""
     blocks, body, opened = [], None, 0
-    for number in range(start, end):
-        line = lines[number]
-        if body is None and re.fullmatch(r"```\w+", line.strip()):
-            body, opened = [], number + 1
-            assert line.strip() == "```bash", f"README.md:{opened}: the serving section holds bash blocks only"
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if body is None and re.fullmatch(r"```\w*", line.strip()):
+            body, opened, language = [], number, line.strip()[3:]
         elif body is not None and line.strip() == "```":
-            blocks.append((opened, "\n".join(body) + "\n"))
+            text = "\n".join(body) + "\n"
+            if language == "bash" and (text.startswith(". .venv-vllm/bin/activate") or "vllm_plugin[" in text
+                                       or "SAMBA_VLLM_FIXTURES=" in text):
+                blocks.append((page.relative_to(ROOT).as_posix(), opened, text))
             body = None
         elif body is not None:
             body.append(line)
@@ -36,13 +37,14 @@ def run_by_ci(body: str) -> bool:
     return "pip install -e 'vllm_plugin[cpu" in body or "make_fixtures.py" in body
 
 
-BLOCKS = [(line, body) for line, body in serving_blocks() if not run_by_ci(body)]
+ALL = [block for page in PAGES for block in vllm_blocks(page)]
+BLOCKS = [(page, line, body) for page, line, body in ALL if not run_by_ci(body)]
 # checked before anything runs: an install block taken for a command would run against this very environment
-assert len(BLOCKS) == 2 and len(serving_blocks()) == 4, "README's serving section changed: update this test"
+assert len(BLOCKS) == 3 and len(ALL) == 5, f"the pages' vLLM blocks changed: update this test ({ALL})"
 
 
-@pytest.mark.parametrize("line, body", BLOCKS, ids=[f"line{line}" for line, _ in BLOCKS])
-def test_block_runs(line, body, references, tmp_path):
+@pytest.mark.parametrize("page, line, body", BLOCKS, ids=[f"{page}:{line}" for page, line, _ in BLOCKS])
+def test_block_runs(page, line, body, references, tmp_path):
     folders = {"samba-folder": references["default"]["folder"], "mamba2-hybrid-folder": references["mamba2-hybrid"]["folder"],
                "Phi-4-mini-flash-reasoning": references["sambay"]["folder"], "gpt-4o-tokenizer": references["sambay"]["tokenizer"]}
     (tmp_path / "path" / "to").mkdir(parents=True)
@@ -51,6 +53,6 @@ def test_block_runs(line, body, references, tmp_path):
     (tmp_path / ".venv-vllm").symlink_to(sys.prefix, target_is_directory=True)  # this environment
     result = subprocess.run(["bash", "-e", "-c", body], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert result.returncode == 0, f"README.md:{line}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, f"{page}:{line}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     if "completions" in body:
         assert '"finish_reason":"length"' in result.stdout, result.stdout  # the server answered with 16 tokens

