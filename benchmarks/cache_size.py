@@ -34,6 +34,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cache_size", help="folder for cache_size.json and .png")
     args = parser.parse_args()
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out} is a file; give a folder")
     curves = {}
     for name, preset in (("Samba-421M", "samba-421m"), ("Mamba-2-Hybrid 8B", "mamba2-hybrid-8b")):
         config = SambaConfig.from_preset(preset)
