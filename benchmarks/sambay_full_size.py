@@ -17,8 +17,9 @@ Each model runs in its own process, one after the other (so the memory peaks do 
 - cache bytes at each decode context, summed over the tensors the cache holds;
 - prefill: seconds of one forward over a random prompt (`logits_to_keep=1`, as generate does; for SambaY also with
   the cross-decoder on every position, the release's prefill, through `logits_to_keep=tensor([last])`), in
-  `--prefill-dtype`: auto takes bfloat16 where this CPU multiplies bf16 matrices at least as fast as float32, else
-  float32 (the model is then loaded again from the folder in that dtype), and the JSON says which and why;
+  `--prefill-dtype`: auto takes what `samba-hf generate --dtype auto` takes, decided from the instruction set (bfloat16
+  where the CPU multiplies it natively, else float32; `samba_hf.cli.auto_dtype`), never from a timing; float32 means
+  the model is loaded again from the folder in that dtype; the JSON says which and why;
 - peak resident memory of each phase (Linux: VmHWM, reset between phases). It counts the pages of the mapped
   safetensors file, once per mapping: after the prefill-dtype reload the file is mapped twice, so the prefill
   phase's figure (in the JSON) overstates what the process needs and the table leaves it out.
@@ -265,14 +266,18 @@ def main():
         print(json.dumps(worker(args)))
         return 0
 
-    speed = bf16_matmul_speed()
+    speed = bf16_matmul_speed()  # recorded with the machine, to compare runs; it decides nothing
+    why = "given on the command line"
     if args.prefill_dtype == "auto":
-        args.prefill_dtype = "bfloat16" if speed["bfloat16"] >= speed["float32"] else "float32"
+        from samba_hf.cli import auto_dtype
+
+        dtype, why = auto_dtype(torch.device("cpu"))
+        args.prefill_dtype = str(dtype).removeprefix("torch.")
     results = {"command": " ".join(["python", "benchmarks/sambay_full_size.py"] + sys.argv[1:]),
                "machine": {"threads": torch.get_num_threads(), "torch": torch.__version__,
                            "matmul_gflops": speed, "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d")},
-               "prefill_dtype": args.prefill_dtype, "models": {}}
-    print(f"matmul GFLOP/s: {speed}; prefill in {args.prefill_dtype}", file=sys.stderr)
+               "prefill_dtype": args.prefill_dtype, "prefill_dtype_why": why, "models": {}}
+    print(f"matmul GFLOP/s: {speed}; prefill in {args.prefill_dtype} ({why})", file=sys.stderr)
     for name in args.models.split(","):
         command = [sys.executable, __file__, "--worker", name, "--release-config", args.release_config,
                    "--prefill", ",".join(map(str, args.prefill)), "--decode", ",".join(map(str, args.decode)),
