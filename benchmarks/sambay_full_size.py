@@ -260,8 +260,19 @@ def main():
     args = parser.parse_args()
     if args.report:
         return report(args.report)
+    unknown = [name for name in args.models.split(",") if name not in ("sambay", "llama")]
+    if unknown:
+        parser.error(f"--models {args.models}: {unknown[0]!r} is not one of sambay, llama")
+    if not os.path.isfile(args.release_config):
+        parser.error(f"--release-config {args.release_config}: no such file (the released config.json of "
+                     "microsoft/Phi-4-mini-flash-reasoning)")
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     for field in ("prefill", "decode", "whole_cross_decoder_at"):
-        setattr(args, field, [int(x) for x in getattr(args, field).split(",") if x])
+        option, text = "--" + field.replace("_", "-"), getattr(args, field)
+        if not all(x.isdigit() and int(x) > 0 for x in text.split(",") if x):
+            parser.error(f"{option}: give token counts of at least 1, separated by commas, got {text!r}")
+        setattr(args, field, [int(x) for x in text.split(",") if x])
     if args.worker:
         print(json.dumps(worker(args)))
         return 0

@@ -1,5 +1,6 @@
-"""benchmarks/run_benchmarks.py refuses mistaken options with one argparse error, before measuring anything."""
+"""The benchmark scripts refuse mistaken options with one argparse error, before measuring anything."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,42 @@ def test_the_plugin_fixtures_script_writes_nothing_over_what_it_did_not_write(tm
     result = run(str(tmp_path / "theirs"))
     assert result.returncode == 1 and "holds files this script did not write" in result.stderr
     assert [p.name for p in (tmp_path / "theirs").iterdir()] == ["notes.txt"]
+
+
+SAMBAY = Path(__file__).resolve().parents[1] / "benchmarks" / "sambay_full_size.py"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--models", "sambay,gpt"], "--models sambay,gpt: 'gpt' is not one of sambay, llama"),
+    (["--release-config", "/no/such/config.json"], "--release-config /no/such/config.json: no such file"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--decode", "1K"], "--decode: give token counts of at least 1, separated by commas, got '1K'"),
+    (["--prefill", "0"], "--prefill: give token counts of at least 1"),
+])
+def test_the_full_size_sambay_benchmark_refuses_mistaken_options(tmp_path, arguments, message):
+    """Refused before the matmul timing and before any model is built (each would take minutes)."""
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    result = subprocess.run([sys.executable, str(SAMBAY), "--release-config", str(config), *arguments, "--out",
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+CACHE_SIZE = Path(__file__).resolve().parents[1] / "benchmarks" / "cache_size.py"
+
+
+def test_the_cache_size_script_refuses_a_file_as_its_folder_and_writes_its_table(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    result = subprocess.run([sys.executable, str(CACHE_SIZE), "--out", str(tmp_path / "file")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and "--out" in result.stderr and "is a file" in result.stderr
+    assert (tmp_path / "file").read_text() == "mine"
+    result = subprocess.run([sys.executable, str(CACHE_SIZE), "--out", str(tmp_path / "out")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    table = json.loads((tmp_path / "out" / "cache_size.json").read_text())["cache_MiB"]
+    assert len(set(table["Samba-421M"])) == 1  # flat: the same bytes at 1K and at 1M tokens
+    full = table["Samba-421M, all full attention"]
+    assert full[1] == 2 * full[0] and full[-1] == 1024 * full[0]  # linear in the context
+    assert (tmp_path / "out" / "cache_size.png").stat().st_size > 0
