@@ -200,9 +200,16 @@ def phonebook_eval(model, tokenizer, lengths, trials: int = 10, seed: int = 0,
 
 
 def _cache_argument(model) -> str:
-    """The name under which the model's forward takes its cache (transformers' Mamba calls it cache_params)."""
+    """The name under which the model's forward takes its cache: `past_key_values` up to transformers 5.23
+    (`cache_params` for its Mamba), `cache` from 5.24 on (samba-hf's models take both)."""
     parameters = inspect.signature(model.forward).parameters
-    return "past_key_values" if "past_key_values" in parameters else "cache_params"
+    names = [name for name in ("past_key_values", "cache", "cache_params") if name in parameters]
+    return names[0] if names else "past_key_values"
+
+
+def _returned_cache(output):
+    """The cache a forward returned, under the field name of the installed transformers (`cache` from 5.24 on)."""
+    return next((output[name] for name in ("cache", "past_key_values", "cache_params") if name in output.keys()), None)
 
 
 @torch.no_grad()
@@ -222,7 +229,7 @@ def token_nll(model, input_ids: torch.Tensor, prefill_chunk_size: int | None = 2
         if argument == "cache_params" and cache is not None:
             kwargs["cache_position"] = torch.arange(start, start + piece.shape[1], device=ids.device)
         out = model(input_ids=piece, **kwargs)
-        cache = getattr(out, argument, None)
+        cache = _returned_cache(out)
         logits = out.logits[0].float()  # (chunk, vocab): logits[i] predicts the token after piece[i]
         if previous is None:  # the first token has nothing before it to be scored from
             losses.append(torch.nn.functional.cross_entropy(logits[:-1], piece[0, 1:], reduction="none"))

@@ -63,6 +63,17 @@ MASK_BUILDERS = {
     "full_attention": create_causal_mask,
 }
 
+# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` (in the models, the mask
+# builders and the outputs); 5.23 has the old name. samba-hf's forwards take either, and hand on the installed one.
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
+    """The cache given under either name (`cache`: what transformers >= 5.24 passes; `past_key_values`: 5.23)."""
+    if past_key_values is not None and cache is not None and past_key_values is not cache:
+        raise ValueError("Pass the cache once, as `cache` or as `past_key_values`, not as both.")
+    return cache if cache is not None else past_key_values
+
 
 def cache_layer_kind(layer) -> str:
     """The kind of layer a cache layer was built for, named as in `config.layer_types` ("dummy": a layer that keeps
@@ -673,7 +684,7 @@ class SambaPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["SambaDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _keep_in_fp32_modules_strict = ["A_log", "mamba.D", "dt_bias"]
     _supports_flash_attn = True
     _supports_sdpa = True
@@ -781,6 +792,7 @@ class SambaModel(SambaPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         keep_last: int | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         r"""
@@ -788,6 +800,7 @@ class SambaModel(SambaPreTrainedModel):
             The cache still takes every position; a model whose top layers keep no state (SambaY's cross-decoder)
             runs them on those positions only.
         """
+        past_key_values = one_cache(past_key_values, cache)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if not torch.compiler.is_compiling():  # the checks read tensor values on the host: they would break graphs
@@ -811,13 +824,14 @@ class SambaModel(SambaPreTrainedModel):
         if chunk:
             # Long inference input: go through the cache a chunk at a time (exactly equal, tested; the activations
             # of a chunk stay in the CPU caches and memory stays bounded by the chunk, not the prompt).
-            cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
+            chunk_cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
             length = inputs_embeds.shape[1]
             first_kept = length - min(keep_last, length) if keep_last is not None else 0
             hidden_states = torch.cat(
                 [
                     self._run_layers(
-                        inputs_embeds[:, s : s + chunk], None, position_ids[:, s : s + chunk], cache, kwargs,
+                        inputs_embeds[:, s : s + chunk], None, position_ids[:, s : s + chunk], chunk_cache,
+                        kwargs,
                         keep_last=max(0, min(s + chunk, length) - max(s, first_kept)),  # of this chunk's positions
                     )
                     for s in range(0, length, chunk)
@@ -833,7 +847,7 @@ class SambaModel(SambaPreTrainedModel):
             hidden_states = hidden_states[:, hidden_states.shape[1] - min(keep_last, hidden_states.shape[1]) :]
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None
+            last_hidden_state=hidden_states, **{CACHE_NAME: past_key_values if use_cache else None}
         )
 
     @staticmethod
@@ -989,7 +1003,7 @@ class SambaModel(SambaPreTrainedModel):
                 "config": self.config,
                 "inputs_embeds": inputs_embeds,
                 "attention_mask": attention_mask,
-                "past_key_values": past_key_values,
+                CACHE_NAME: past_key_values,
                 "position_ids": position_ids,
             }
             # Each mask is sized against the cache of the first layer of its kind.
@@ -1085,6 +1099,7 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         r"""
@@ -1111,7 +1126,7 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            past_key_values=one_cache(past_key_values, cache),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             keep_last=keep_last,
@@ -1131,9 +1146,9 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
 
         return CausalLMOutputWithPast(
+            **{CACHE_NAME: getattr(outputs, CACHE_NAME)},
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
