@@ -69,7 +69,6 @@ def test_forward_with_use_cache_returns_the_hybrid_cache():
     assert model(torch.randint(3, 97, (1, 4)), use_cache=False).past_key_values is None
 
 
-
 def test_the_cache_is_taken_under_either_name():
     """transformers 5.24 passes the cache as `cache`, 5.23 (and users' code) as `past_key_values`: the same tokens
     either way, on whichever transformers is installed; one cache under both names is refused."""
@@ -84,6 +83,7 @@ def test_the_cache_is_taken_under_either_name():
             assert (torch.cat([first, rest], 1) - full).abs().max().item() <= 1e-4, name
         with pytest.raises(ValueError, match="Pass the cache once, as `cache` or as `past_key_values`, not as both"):
             model(ids, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+
 
 def test_all_mamba_model_continues_from_its_cache():
     model = tiny_model(layer_types=["linear_attention"] * 2, num_hidden_layers=2)

@@ -14,8 +14,8 @@ end-of-text token sits where GPT-4o's does relative to the chat tokens (`tests/t
 
 Not run here: the README's first two blocks, the install and test commands, which CI runs itself (recognised by
 their content); and the blocks that run in vLLM's environment (they start by activating `.venv-vllm`, or install or
-feed it), which the plugin's tests run there (`vllm_plugin/tests/test_readme.py`). Blocks of program output, and
-commands shown but not run (they need downloaded weights), are fenced ```text.
+feed it: `in_vllm_environment`, which the plugin's tests use too), which `vllm_plugin/tests/test_readme.py` runs
+there. Blocks of program output, and commands shown but not run (they need downloaded weights), are fenced ```text.
 """
 
 import os

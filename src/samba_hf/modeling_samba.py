@@ -1126,7 +1126,8 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=one_cache(past_key_values, cache),
+            past_key_values=past_key_values,
+            cache=cache,  # SambaModel takes the one given (one_cache)
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             keep_last=keep_last,

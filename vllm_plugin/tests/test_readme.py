@@ -4,8 +4,8 @@ the embedded default model as the Samba folder, the release-laid-out tiny SambaY
 the default model's tokenizer as the gpt-4o one, the tiny Mamba-2-Hybrid. Left to CI: the plugin's install command
 and its test command (which runs this). samba-hf's own tests (tests/test_docs.py) run every other block."""
 
+import importlib.util
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,31 +13,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# samba-hf's block runner decides which blocks are vLLM's: the same reading of the pages on both sides, so that no
+# block is run by neither (it imports only the standard library and pytest).
+_spec = importlib.util.spec_from_file_location("samba_hf_test_docs", ROOT / "tests" / "test_docs.py")
+docs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(docs)
 
 
 def vllm_blocks(page: Path) -> list[tuple[str, int, str]]:
-    """(page, line of the opening fence, body) of each bash block that is for vLLM's environment."""
-    blocks, body, opened = [], None, 0
-    for number, line in enumerate(page.read_text().splitlines(), 1):
-        if body is None and re.fullmatch(r"```\w*", line.strip()):
-            body, opened, language = [], number, line.strip()[3:]
-        elif body is not None and line.strip() == "```":
-            text = "\n".join(body) + "\n"
-            if language == "bash" and (text.startswith(". .venv-vllm/bin/activate") or "vllm_plugin[" in text
-                                       or "SAMBA_VLLM_FIXTURES=" in text):
-                blocks.append((page.relative_to(ROOT).as_posix(), opened, text))
-            body = None
-        elif body is not None:
-            body.append(line)
-    return blocks
+    """(page, line of the opening fence, body) of each block that is for vLLM's environment."""
+    return [(docs.name(page), line, body) for language, line, body in docs.BLOCKS[page]
+            if docs.in_vllm_environment(language, body)]
 
 
 def run_by_ci(body: str) -> bool:
     return "pip install -e 'vllm_plugin[cpu" in body or "make_fixtures.py" in body
 
 
-ALL = [block for page in PAGES for block in vllm_blocks(page)]
+ALL = [block for page in docs.PAGES for block in vllm_blocks(page)]
 BLOCKS = [(page, line, body) for page, line, body in ALL if not run_by_ci(body)]
 # checked before anything runs: an install block taken for a command would run against this very environment
 assert len(BLOCKS) == 3 and len(ALL) == 5, f"the pages' vLLM blocks changed: update this test ({ALL})"
