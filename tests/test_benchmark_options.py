@@ -108,3 +108,51 @@ def test_the_cache_size_script_refuses_a_file_as_its_folder_and_writes_its_table
     full = table["Samba-421M, all full attention"]
     assert full[1] == 2 * full[0] and full[-1] == 1024 * full[0]  # linear in the context
     assert (tmp_path / "out" / "cache_size.png").stat().st_size > 0
+
+
+GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+SMOKE = ["--smoke", "--prefill", "32,64", "--decode", "24,40", "--batch", "2", "--steps", "2", "--train", "32",
+         "--graphs-max-context", "24"]
+
+
+def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
+    """--smoke: the whole of benchmarks/gpu.py on tiny models on the CPU (the GPU machine's time is too short to find
+    a bug in the script there), then its plot of the JSON."""
+    out = tmp_path / "run.json"
+    result = subprocess.run([sys.executable, str(GPU), *SMOKE, "--out", str(out)], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert set(run["models"]) == {"Samba-1.3B", "Llama-1.3B", "Mamba-2-Hybrid", "NemotronH"}
+    assert run["label"] == "torch" and run["kernels"]["selective_scan_fn"] is False  # nothing installed here
+    for name, row in run["models"].items():
+        assert set(row["prefill"]) == {"32", "64"} and set(row["decode"]) == {"24x1", "24x2", "40x1", "40x2"}, name
+        measured = [*row["prefill"].values(), *row["train"].values(),
+                    *(mode for entry in row["decode"].values() for mode in entry.values())]
+        assert all(m.get("tokens_per_s", 0) > 0 for m in measured), (name, measured)
+        assert "graphs" in row["decode"]["24x2"] and "graphs" not in row["decode"]["40x1"]  # --graphs-max-context
+    figure = tmp_path / "figure.png"
+    drawn = subprocess.run([sys.executable, str(GPU), "--plot", str(out), "--plot-out", str(figure)],
+                           capture_output=True, text=True, timeout=300)
+    assert drawn.returncode == 0 and figure.read_bytes()[:4] == b"\x89PNG", drawn.stderr[-2000:]
+
+
+def test_the_gpu_benchmark_says_in_one_line_that_there_is_no_gpu(tmp_path):
+    result = subprocess.run([sys.executable, str(GPU), "--out", str(tmp_path / "run.json")], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "no CUDA GPU on this machine" in result.stderr
+    assert not (tmp_path / "run.json").exists()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--models", "Samba-1.3B,GPT"], "--models takes names from"),
+    (["--prefill", "2k"], "--prefill takes comma-separated token counts"),
+    (["--decode", "0"], "--decode takes positive token counts"),
+    (["--steps", "1"], "--steps 2 or more"),
+    (["--plot", "/no/such/run.json"], "--plot: no such file: /no/such/run.json"),
+    (["--out", "."], "--out . is a folder"),
+])
+def test_the_gpu_benchmark_refuses_mistaken_options(arguments, message):
+    result = subprocess.run([sys.executable, str(GPU), *arguments], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

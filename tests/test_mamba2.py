@@ -18,7 +18,6 @@ from samba_hf.training import LORA_TARGET_MODULES, lora_config
 from conftest import held_bytes, randomize_norms, tiny_config
 from megatron_reference import megatron_logits, nemotron_h_logits, random_megatron_state, tiny_geometry
 from test_generation import assert_left_padded_rows_equal_their_own_runs, compiled_generate_equals_eager, gen, no_cache_greedy
-from test_kernel_dispatch import fake_causal_conv1d_fn, fake_causal_conv1d_update
 
 TOL = 1e-4
 MAMBA2 = dict(mamba_version=2, mamba_d_state=8, mamba2_head_dim=8, mamba2_n_groups=2, mamba2_chunk_size=8)
@@ -337,51 +336,6 @@ def test_lora_on_each_projection_changes_prefill_and_cached_decoding(target):
             base = model(input_ids=ids).logits
     assert (full - base).abs().max() > 1e-3
     assert (torch.cat(steps, dim=1) - full[:, -3:]).abs().max() <= TOL * full.abs().max()
-
-
-def test_ssd_kernels_are_called_with_mamba_ssm_layouts(monkeypatch):
-    """The CUDA dispatch, on CPU, with stand-ins that follow mamba-ssm's calling conventions (and causal-conv1d's,
-    over the x, B, C channels of the conv): the chunked scan
-    (x (b, l, h, p), dt (b, l, h), A (h,), B/C (b, l, g, n), initial_states (b, h, p, n)) and the one-token state
-    update (per-channel dt, A, D repeated over head_dim, state updated in place)."""
-    calls = {"chunk": 0, "step": 0}
-
-    def chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                   dt_softplus=False, return_final_states=False):
-        assert x.ndim == 4 and dt.shape == x.shape[:3] and A.shape == (x.shape[2],) and B.shape[:2] == x.shape[:2]
-        assert z is None and dt_bias is None and not dt_softplus and return_final_states
-        assert dt.dtype == torch.float32  # never rounded to the model's dtype
-        calls["chunk"] += 1
-        h0 = torch.zeros(*x.shape[:1], *x.shape[2:], B.shape[-1]) if initial_states is None else initial_states
-        y, last = float64_ssd(x, dt, A, B, C, D, h0)
-        return y.to(x.dtype), last.float()
-
-    def state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
-        assert dt.shape == x.shape and A.shape == state.shape[1:] and D.shape == x.shape[1:] and not dt_softplus
-        assert dt.dtype == torch.float32
-        calls["step"] += 1
-        y, last = float64_ssd(x[:, None], dt[:, None, :, 0], A[:, 0, 0], B[:, None], C[:, None], D[:, 0], state)
-        state.copy_(last)
-        return y[:, 0].to(x.dtype)
-
-    model = tiny_mamba2("megatron", seed=5)
-    ids = torch.randint(3, 97, (2, 20), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        reference = model(ids).logits
-        monkeypatch.setattr(ssm_samba, "_SSD_KERNELS", (chunk_scan, state_update))
-        monkeypatch.setattr(ssm_samba, "_CONV_KERNELS", (fake_causal_conv1d_fn, fake_causal_conv1d_update))
-        monkeypatch.setattr(ssm_samba, "_kernel_device", lambda tensor: True)
-        full = model(ids).logits
-        out = model(ids[:, :12], use_cache=True)
-        steps = [out.logits] + [model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits
-                                for t in range(12, 20)]
-        # bf16 inputs: dt reaches both kernels in float32 (asserted in the stand-ins)
-        x, dt, A, B, C, D, h0 = ssd_inputs()
-        ssm_samba.ssd_scan(x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), D, h0)
-        ssm_samba.ssd_scan(x[:, :1].bfloat16(), dt[:, :1], A, B[:, :1].bfloat16(), C[:, :1].bfloat16(), D, h0)
-    assert calls == {"chunk": 3 + 3 + 1, "step": 3 * 8 + 1}  # 3 Mamba-2 layers: two prefills, 8 one-token steps
-    assert (full - reference).abs().max() <= TOL * reference.abs().max()
-    assert (torch.cat(steps, dim=1) - reference).abs().max() <= TOL * reference.abs().max()
 
 
 def test_a_saved_mamba2_hybrid_loads_without_samba_hf(tmp_path):

@@ -3,38 +3,52 @@
     h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t * u_t        (per channel d, state n)
     y_t = <h_t, C_t> + D * u_t,  then gated: y_t * silu(z_t)
 
-`selective_scan` is the one entry point. On CUDA tensors it uses mamba-ssm's kernels when the package is
-installed (`selective_scan_fn` for a sequence that starts from a zero state, `selective_state_update` for a
-one-token step from a cached state); everywhere else, and for a multi-token input that continues from a cached
-state (which `selective_scan_fn` cannot take), the PyTorch scan below. The first fallback on a CUDA tensor is
-logged once.
+`selective_scan`, `ssd_scan` and `causal_conv` are the entry points; which kernel runs is decided in them, from what
+`load_kernels` found installed. On CUDA tensors:
 
-On CPU tensors it runs a compiled C scan (`_CPU_SCAN_SOURCE` below, with its backward): one pass over time that holds
-each channel's state in registers, with no (time, channel, state) tensor and no Python per token. It is built once per
-machine with the system's C compiler (`cc`, or `$CC`) into `~/.cache/samba_hf` (`$SAMBA_HF_CACHE`) and loaded with
-ctypes. Under `torch.compile` it is the operator `torch.ops.samba_hf.selective_scan_cpu` (with its backward), which
-dynamo keeps as one call. Where there is no compiler, or with `SAMBA_HF_SCAN=pytorch`, the PyTorch scan runs instead
-(the same recurrence, stepped per token in Python).
+    Mamba scan, from zero or from a cached state  mamba-ssm's CUDA `selective_scan_fn` (from a state: plus the exact
+                                                  correction `initial_state_correction`, so no token is stepped in
+                                                  Python); without its compiled extension, the PyTorch scan
+    Mamba / Mamba-2 one-token step               mamba-ssm's Triton `selective_state_update`
+    Mamba-2 (SSD) scan                           mamba-ssm's Triton `mamba_chunk_scan_combined` (takes a state)
+    causal conv                                  causal-conv1d's `causal_conv1d_fn` / `causal_conv1d_update`
+                                                 (a plain `nn.Conv1d` only: an adapter-wrapped conv runs as a module)
+
+Each fallback to PyTorch on a CUDA tensor is logged once, naming what runs instead and what to install. mamba-ssm's
+Triton ops are imported without running the package's `__init__` (which needs its compiled extension and the
+Mamba-3 modules), so an install made without compiling (`MAMBA_SKIP_CUDA_BUILD=TRUE`) still gives them.
+
+Testing switch: with `TRITON_INTERPRET=1` and `SAMBA_HF_INTERPRET_KERNELS=1` in the environment, CPU tensors take the
+CUDA paths above, so that Triton's interpreter runs the installed Triton kernels on the CPU (tests/test_kernels.py;
+slow: tiny shapes only). It also steps around three CUDA-only calls in the packages' Python wrappers
+(`_interpreter_shims`). Without `TRITON_INTERPRET=1` it is ignored, with a warning.
+
+On CPU tensors the scan runs a compiled C scan (`_CPU_SCAN_SOURCE` below, with its backward): one pass over time that
+holds each channel's state in registers, with no (time, channel, state) tensor and no Python per token. It is built
+once per machine with the system's C compiler (`cc`, or `$CC`) into `~/.cache/samba_hf` (`$SAMBA_HF_CACHE`) and
+loaded with ctypes. Under `torch.compile` it is the operator `torch.ops.samba_hf.selective_scan_cpu` (with its
+backward), which dynamo keeps as one call. Where there is no compiler, or with `SAMBA_HF_SCAN=pytorch`, the PyTorch
+scan runs instead (the same recurrence, stepped per token in Python). On CPU a plain `nn.Conv1d` runs as K shifted
+multiply-adds (`depthwise_causal_conv`).
 
 Everything is computed in float32 whatever the input dtype; `y` comes back in the dtype of `u`, the final state
 in float32.
 
-`causal_conv` runs the mixer's depthwise conv over [cached window, new inputs]. On CUDA, with causal-conv1d
-installed and the conv a plain `nn.Conv1d` (not wrapped by an adapter), it uses `causal_conv1d_update` for a
-one-token step and `causal_conv1d_fn` otherwise; on CPU a plain `nn.Conv1d` runs as K shifted multiply-adds
-(`depthwise_causal_conv`); an adapter-wrapped conv, or CUDA without the package, calls the module itself.
-
-Part of the remote code of a saved model: imports only torch and transformers.
+Part of the remote code of a saved model: imports only torch and transformers (the kernel packages lazily).
 """
 
 import ctypes
 import hashlib
+import importlib
+import importlib.util
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import typing
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,55 +61,129 @@ logger = logging.get_logger(__name__)
 # O(batch * _BLOCK * d_inner * d_state) whatever the sequence length. 64 measured fastest here (32-128 within 10%).
 _BLOCK = 64
 
-_KERNELS = None
-_SSD_KERNELS = None
-_CONV_KERNELS = None
+
+def _interpret_kernels() -> bool:
+    """The testing switch (see the module docstring), read once at import."""
+    if os.environ.get("SAMBA_HF_INTERPRET_KERNELS", "") not in ("", "0"):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return True
+        logger.warning("samba-hf: SAMBA_HF_INTERPRET_KERNELS is set without TRITON_INTERPRET=1; ignored (it sends CPU "
+                       "tensors to the CUDA kernels, which only Triton's interpreter can run on a CPU)")
+    return False
 
 
-def _mamba_kernels():
-    """(selective_scan_fn, selective_state_update) from mamba-ssm, or (None, None) when it is not installed."""
+INTERPRET_KERNELS = _interpret_kernels()
+
+
+class Kernels(typing.NamedTuple):
+    """The installed kernels samba-hf can call (None where absent), and why each absent one is."""
+
+    selective_scan_fn: Callable | None  # mamba-ssm, compiled CUDA (its extension `selective_scan_cuda`)
+    selective_state_update: Callable | None  # mamba-ssm, Triton: one token, Mamba-1 and Mamba-2
+    mamba_chunk_scan_combined: Callable | None  # mamba-ssm, Triton: Mamba-2's SSD
+    causal_conv1d_fn: Callable | None  # causal-conv1d, compiled CUDA
+    causal_conv1d_update: Callable | None
+    missing: dict  # name -> the reason it is None
+
+
+_KERNELS: Kernels | None = None
+
+_INSTALL_MAMBA = ("install mamba-ssm with its CUDA extension (MAMBA_FORCE_BUILD=TRUE pip install mamba-ssm "
+                  "--no-build-isolation; from its main branch also MAMBA_KEEP_CUDA_BUILD=TRUE)")
+_INSTALL_TRITON_OPS = "install mamba-ssm (pip install mamba-ssm --no-build-isolation; its Triton kernels need triton)"
+_INSTALL_CONV = "install causal-conv1d (CAUSAL_CONV1D_FORCE_BUILD=TRUE pip install causal-conv1d --no-build-isolation)"
+
+
+def _import_mamba_ssm(module: str):
+    """`mamba_ssm.<module>`, without running mamba_ssm/__init__.py (it imports the compiled scan and the Mamba-3
+    modules, which the Triton ops need neither of): the package is set up from its spec, unexecuted, for the import,
+    and taken out of sys.modules again, so that a later `import mamba_ssm` runs the real one."""
+    if "mamba_ssm" in sys.modules:
+        return importlib.import_module(f"mamba_ssm.{module}")
+    spec = importlib.util.find_spec("mamba_ssm")
+    if spec is None:
+        raise ImportError("mamba-ssm is not installed")
+    package = importlib.util.module_from_spec(spec)  # __path__ set, __init__ not run
+    sys.modules["mamba_ssm"] = package
+    try:
+        return importlib.import_module(f"mamba_ssm.{module}")
+    finally:
+        if sys.modules.get("mamba_ssm") is package:
+            del sys.modules["mamba_ssm"]
+
+
+def load_kernels() -> Kernels:
+    """What is installed, found once per process (`_KERNELS`; tests reset it to None to look again)."""
     global _KERNELS
-    if _KERNELS is None:
-        try:
-            from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
-            from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    if _KERNELS is not None:
+        return _KERNELS
+    if INTERPRET_KERNELS:
+        _interpreter_shims()
+    found, missing = {}, {}
 
-            _KERNELS = (selective_scan_fn, selective_state_update)
-        except Exception:  # not installed, or built for another CUDA/torch
-            _KERNELS = (None, None)
+    def attempt(names, load):
+        try:
+            found.update(zip(names, load()))
+        except Exception as error:  # not installed, built for another CUDA / torch, or without its extension
+            missing.update(dict.fromkeys(names, f"{type(error).__name__}: {error}".splitlines()[0]))
+
+    def cuda_scan():
+        interface = _import_mamba_ssm("ops.selective_scan_interface")
+        if getattr(interface, "selective_scan_cuda", None) is None:  # mamba-ssm's main branch: opt-in extension
+            raise ImportError("mamba-ssm was installed without its CUDA extension selective_scan_cuda")
+        return (interface.selective_scan_fn,)
+
+    def conv():
+        from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+
+        return causal_conv1d_fn, causal_conv1d_update
+
+    attempt(["selective_scan_fn"], cuda_scan)
+    attempt(["selective_state_update"],
+            lambda: (_import_mamba_ssm("ops.triton.selective_state_update").selective_state_update,))
+    attempt(["mamba_chunk_scan_combined"],
+            lambda: (_import_mamba_ssm("ops.triton.ssd_combined").mamba_chunk_scan_combined,))
+    attempt(["causal_conv1d_fn", "causal_conv1d_update"], conv)
+    _KERNELS = Kernels(**{name: found.get(name) for name in Kernels._fields[:-1]}, missing=missing)
     return _KERNELS
 
 
-def _ssd_kernels():
-    """(mamba_chunk_scan_combined, selective_state_update) from mamba-ssm (its Mamba-2 kernels), or (None, None)."""
-    global _SSD_KERNELS
-    if _SSD_KERNELS is None:
-        try:
-            from mamba_ssm.ops.triton.selective_state_update import selective_state_update
-            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-            _SSD_KERNELS = (mamba_chunk_scan_combined, selective_state_update)
-        except Exception:  # not installed, or built for another CUDA/torch
-            _SSD_KERNELS = (None, None)
-    return _SSD_KERNELS
-
-
-def _conv_kernels():
-    """(causal_conv1d_fn, causal_conv1d_update) from causal-conv1d, or (None, None) when it is not installed."""
-    global _CONV_KERNELS
-    if _CONV_KERNELS is None:
-        try:
-            from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
-
-            _CONV_KERNELS = (causal_conv1d_fn, causal_conv1d_update)
-        except Exception:
-            _CONV_KERNELS = (None, None)
-    return _CONV_KERNELS
+def _fallback(kernel: str, runs: str, install: str):
+    """Say once that `kernel` is not there, what runs instead, and what to install."""
+    reason = load_kernels().missing.get(kernel, "not installed")
+    logger.warning_once(f"samba-hf: {kernel} is unavailable ({reason}); {runs}. For the fast path, {install}.")
 
 
 def _kernel_device(tensor: torch.Tensor) -> bool:
-    """mamba-ssm's kernels run on CUDA tensors only."""
-    return tensor.is_cuda
+    """Whether a tensor takes the CUDA kernel paths: a CUDA tensor, or any CPU tensor under the testing switch."""
+    return tensor.is_cuda or (INTERPRET_KERNELS and tensor.device.type == "cpu")
+
+
+def _interpreter_shims():
+    """Under the testing switch: what the packages' Python wrappers call that a CPU build of torch cannot answer, or
+    that Triton's interpreter cannot do, answered for CPU tensors. `torch.cuda.device(None)` (a CPU tensor's device
+    index) becomes a no-op; `torch.cuda.get_device_properties` of a CPU device reports one multiprocessor; and
+    `triton.autotune` keeps the first of its pruned configs, since timing them needs a GPU driver. Set up once."""
+    import contextlib
+    import types
+
+    from triton.runtime.autotuner import Autotuner
+
+    if getattr(torch.cuda.device, "_samba_hf_shim", False):
+        return
+    cuda_device, properties, prune = torch.cuda.device, torch.cuda.get_device_properties, Autotuner.prune_configs
+
+    def device(index):
+        return contextlib.nullcontext() if index is None else cuda_device(index)
+
+    def get_device_properties(device=None):
+        if isinstance(device, torch.device) and device.type == "cpu":
+            return types.SimpleNamespace(multi_processor_count=1, name="cpu (Triton interpreter)")
+        return properties(device)
+
+    device._samba_hf_shim = True
+    torch.cuda.device, torch.cuda.get_device_properties = device, get_device_properties
+    Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
 
 
 def selective_scan(
@@ -115,13 +203,16 @@ def selective_scan(
     which is how padded positions are skipped). Returns y (batch, seq, d_inner) and the last state.
     """
     if _kernel_device(u):
-        scan_fn, state_update_fn = _mamba_kernels()
-        if h0 is None and scan_fn is not None:
-            return _scan_with_kernel(scan_fn, u, dt, A, B, C, D, z)
-        if h0 is not None and u.shape[1] == 1 and state_update_fn is not None:
-            return _step_with_kernel(state_update_fn, u, dt, A, B, C, D, z, h0)
-        if scan_fn is None:
-            logger.warning_once("samba-hf: mamba-ssm is not installed; the Mamba scan runs in PyTorch (slower on GPU)")
+        kernels = load_kernels()
+        if h0 is not None and u.shape[1] == 1:
+            if kernels.selective_state_update is not None:
+                return _step_with_kernel(kernels.selective_state_update, u, dt, A, B, C, D, z, h0)
+            _fallback("selective_state_update", "a Mamba decoding step runs in PyTorch", _INSTALL_TRITON_OPS)
+        elif kernels.selective_scan_fn is not None:
+            return _scan_with_kernel(kernels.selective_scan_fn, u, dt, A, B, C, D, z, h0)
+        else:
+            _fallback("selective_scan_fn", "the Mamba scan runs in PyTorch, a Python step per token (slow on a GPU)",
+                      _INSTALL_MAMBA)
     elif u.device.type == "cpu" and cpu_scan_available():
         return selective_scan_cpu(u, dt, A, B, C, D, z, h0)
     return selective_scan_pytorch(u, dt, A, B, C, D, z, h0)
@@ -182,16 +273,19 @@ def ssd_scan(
     elsewhere `ssd_scan_pytorch`.
     """
     if _kernel_device(x):
-        chunk_fn, state_update_fn = _ssd_kernels()
-        if x.shape[1] == 1 and h0 is not None and state_update_fn is not None:
-            return _ssd_step_with_kernel(state_update_fn, x, dt, A, B, C, D, h0)
-        if chunk_fn is not None:
+        kernels = load_kernels()
+        if x.shape[1] == 1 and h0 is not None and kernels.selective_state_update is not None:
+            return _ssd_step_with_kernel(kernels.selective_state_update, x, dt, A, B, C, D, h0)
+        if kernels.mamba_chunk_scan_combined is not None:
             # dt stays float32 (the kernels read it so; a bf16 copy would round every step)
-            y, last = chunk_fn(x, dt.float(), A.float(), B.to(x.dtype), C.to(x.dtype), chunk_size,
-                               D=None if D is None else D.float(), initial_states=None if h0 is None else h0.float(),
-                               dt_softplus=False, return_final_states=True)
+            y, last = kernels.mamba_chunk_scan_combined(
+                x, dt.float(), A.float(), B.to(x.dtype), C.to(x.dtype), chunk_size,
+                D=None if D is None else D.float(), initial_states=None if h0 is None else h0.float(),
+                dt_softplus=False, return_final_states=True,
+            )
             return y.to(x.dtype), last.float()
-        logger.warning_once("samba-hf: mamba-ssm is not installed; the Mamba-2 scan runs in PyTorch (slower on GPU)")
+        _fallback("mamba_chunk_scan_combined", "the Mamba-2 scan runs in PyTorch, a chunk at a time",
+                  _INSTALL_TRITON_OPS)
     return ssd_scan_pytorch(x, dt, A, B, C, D, h0, chunk_size)
 
 
@@ -236,7 +330,8 @@ def ssd_scan_pytorch(x, dt, A, B, C, D=None, h0=None, chunk_size=128) -> tuple[t
 
 
 def _ssd_step_with_kernel(state_update_fn, x, dt, A, B, C, D, h0):
-    # mamba-ssm's Mamba-2 step: per-channel arguments with the head's values repeated over head_dim (and d_state)
+    # mamba-ssm's Mamba-2 step: per-channel arguments with the head's values repeated over head_dim (and d_state),
+    # as stride-0 views: the kernel then reads one dt, A and dt_bias per head (its TIE_HDIM path)
     heads, head_dim, d_state = h0.shape[1:]
     state = h0.float().clone()  # updated in place by the kernel: (b, h, p, n)
     y = state_update_fn(
@@ -247,10 +342,22 @@ def _ssd_step_with_kernel(state_update_fn, x, dt, A, B, C, D, h0):
         B[:, 0].to(x.dtype),
         C[:, 0].to(x.dtype),
         D=None if D is None else D.float()[:, None].expand(heads, head_dim),
-        dt_bias=None,
+        # a zero bias, not None: mamba-ssm (2.3.2.post1 and main) reads dt_bias.stride in its launch whatever it is
+        dt_bias=_zeros(heads, x.device)[:, None].expand(heads, head_dim),
         dt_softplus=False,
     )
     return y[:, None].to(x.dtype), state
+
+
+def _zeros(size: int, device: torch.device) -> torch.Tensor:
+    """A float32 zero vector, made once per size and device (a decoding step must not allocate one per layer)."""
+    key = (size, device)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros(size, device=device)
+    return _ZEROS[key]
+
+
+_ZEROS: dict = {}
 
 
 _CPU_SCAN_SOURCE = r"""
@@ -727,7 +834,8 @@ def _scan_operator():
 _SCAN_OPERATOR = _scan_operator()
 
 
-def _scan_with_kernel(scan_fn, u, dt, A, B, C, D, z):
+def _scan_with_kernel(scan_fn, u, dt, A, B, C, D, z, h0):
+    """mamba-ssm's `selective_scan_fn`, which starts from a zero state; from `h0`, plus `initial_state_correction`."""
     # mamba-ssm wants channels before time, u, delta, z (b, d, l) and B, C (b, n, l), all in u's dtype; A and D float32.
     def channels_first(x):
         return x.transpose(1, 2).to(u.dtype).contiguous()
@@ -744,7 +852,31 @@ def _scan_with_kernel(scan_fn, u, dt, A, B, C, D, z):
         delta_softplus=False,
         return_last_state=True,
     )
-    return y.transpose(1, 2).to(u.dtype), last_state.float()
+    y, last_state = y.transpose(1, 2), last_state.float()
+    if h0 is None:
+        return y.to(u.dtype), last_state
+    # the kernel rounds dt to u's dtype: the correction reads the same steps
+    from_state, carried = initial_state_correction(dt.to(u.dtype), A, C, h0)
+    if z is not None:
+        from_state = from_state * F.silu(z.float())  # the gate is linear in y
+    return (y.float() + from_state).to(u.dtype), last_state + carried
+
+
+def initial_state_correction(dt, A, C, h0) -> tuple[torch.Tensor, torch.Tensor]:
+    """What starting from `h0` instead of zeros adds to the scan (it is linear in the state): with
+    elapsed_t = dt_1 + ... + dt_t per channel,
+
+        y_t  += sum_n C_t[n] exp(A[d, n] elapsed_t[d]) h0[d, n]       (before D and the gate)
+        h_L  += exp(A[d, n] elapsed_L[d]) h0[d, n]
+
+    Every exponent is <= 0 (A < 0, dt >= 0). dt (b, l, d); A (d, n); C (b, l, n); h0 (b, d, n). Returns
+    (b, l, d) and (b, d, n), float32; a loop over the d_state states keeps the memory at O(b * l * d)."""
+    elapsed = torch.cumsum(dt.float(), dim=1)  # (b, l, d)
+    A, C, h0 = A.float(), C.float(), h0.float()
+    from_state = torch.zeros_like(elapsed)
+    for n in range(A.shape[1]):
+        from_state += torch.exp(elapsed * A[:, n]) * h0[:, None, :, n] * C[:, :, n, None]
+    return from_state, h0 * torch.exp(elapsed[:, -1, :, None] * A)
 
 
 def _step_with_kernel(state_update_fn, u, dt, A, B, C, D, z, h0):
@@ -758,7 +890,8 @@ def _step_with_kernel(state_update_fn, u, dt, A, B, C, D, z, h0):
         C[:, 0],
         D=None if D is None else D.float(),
         z=None if z is None else z[:, 0],
-        dt_bias=None,
+        # a zero bias, not None: mamba-ssm (2.3.2.post1 and main) unpacks dt_bias.stride() in its launch whatever it is
+        dt_bias=_zeros(u.shape[-1], u.device),
         dt_softplus=False,
     )
     return y[:, None].to(u.dtype), state
@@ -788,15 +921,18 @@ def depthwise_causal_conv(weight: torch.Tensor, bias: torch.Tensor | None, windo
 def causal_conv(conv1d: nn.Conv1d, window: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The depthwise causal conv's outputs at the last `seq_len` positions of `window` (batch, d_inner, T), which
     holds the cached left context (if any) followed by the new inputs. Returns (batch, d_inner, seq_len)."""
-    if _kernel_device(window) and type(conv1d) is nn.Conv1d:  # an adapter-wrapped conv must run as a module
-        conv_fn, update_fn = _conv_kernels()
+    plain = type(conv1d) is nn.Conv1d  # an adapter-wrapped conv must run as a module
+    if _kernel_device(window) and plain:
+        kernels = load_kernels()
         weight = conv1d.weight[:, 0, :]  # (d_inner, kernel_size)
-        if seq_len == 1 and window.shape[-1] >= conv1d.kernel_size[0] and update_fn is not None:
-            state = window[..., :-1].contiguous()  # the previous inputs; the kernel shifts it in place (a copy)
-            return update_fn(window[..., -1], state, weight, conv1d.bias, activation=None)[..., None]
-        if conv_fn is not None:
-            return conv_fn(window.contiguous(), weight, conv1d.bias, activation=None)[..., -seq_len:]
-        logger.warning_once("samba-hf: causal-conv1d is not installed; the Mamba conv runs as a PyTorch Conv1d")
-    if not _kernel_device(window) and type(conv1d) is nn.Conv1d:
+        if kernels.causal_conv1d_fn is not None:
+            if seq_len == 1 and window.shape[-1] >= conv1d.kernel_size[0]:
+                # causal_conv1d_update(x (b, d), conv_state (b, d, >= K - 1)): the state is shifted in place (a copy)
+                state = window[..., :-1].contiguous()
+                return kernels.causal_conv1d_update(window[..., -1], state, weight, conv1d.bias, activation=None)[..., None]
+            # causal_conv1d_fn(x (b, d, l), weight (d, K)): zero left padding, every position
+            return kernels.causal_conv1d_fn(window.contiguous(), weight, conv1d.bias, activation=None)[..., -seq_len:]
+        _fallback("causal_conv1d_fn", "the Mamba conv runs as a PyTorch Conv1d", _INSTALL_CONV)
+    elif plain:
         return depthwise_causal_conv(conv1d.weight[:, 0, :], conv1d.bias, window, seq_len)
     return conv1d(window)[..., : window.shape[-1]][..., -seq_len:]

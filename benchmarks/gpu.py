@@ -1,0 +1,418 @@
+"""samba-hf on a GPU against transformers' own models, bf16, one process: the paper's Figure 2 / Table 4 measurements.
+
+    python benchmarks/gpu.py --out out/gpu/kernels.json            # on a CUDA machine; ~2-4 minutes
+    python benchmarks/gpu.py --plot out/gpu/*.json --plot-out out/gpu/figure2.png
+    bash benchmarks/gpu_run.sh                                      # everything, on the GPU machine (see there)
+
+Models (random weights, bf16; speed does not depend on the weights):
+    Samba-1.3B       samba-hf's "samba-1.3b" preset (18 layers, hidden 2304, window 2048)
+    Llama-1.3B       transformers' Llama of the same shape (18 layers, 18 heads of 128, MLP 6144, vocab 32000), sdpa
+    Mamba-2-Hybrid   samba-hf, blocks 7-13 of NVIDIA's Mamba-2-Hybrid 8B ("M-M*-M-", full width, its 256K vocab)
+    NemotronH        transformers' NemotronHForCausalLM on the same layout and sizes
+
+Measured: prefill (one forward, `logits_to_keep=1`, no cache) at --prefill lengths, tokens/s; decode tokens/s at
+--decode contexts, batch 1 and --batch, from a cache filled with random states and keys/values of that context (a
+step's time does not depend on them), eager (the model called step by step, as generate's loop does) and, with
+--graphs, through `generate(cache_implementation="static")` with transformers' compile (CUDA graphs where it
+compiles) at contexts up to --graphs-max-context (each context and batch compiles anew); a training step (forward and backward, batch 1) at
+--train tokens/s; peak GPU memory of each. A prefill predicted (from the last length) to take over --cap seconds is skipped, and so
+is everything after --time-limit, each recorded as skipped with why; an out-of-memory is recorded as such.
+
+Which kernels run is whatever this environment has (recorded under "kernels"): run it once with mamba-ssm and
+causal-conv1d importable and once without, as benchmarks/gpu_run.sh does, and --plot the two JSON files together.
+On a machine without CUDA it says so in one line and exits 1. --smoke runs the same code on tiny models on the CPU
+(tests/test_benchmark_options.py runs it), so that a GPU session never discovers a bug in this file.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from datetime import date
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, NemotronHConfig, NemotronHForCausalLM
+
+from samba_hf import SambaConfig, SambaForCausalLM, ssm_samba
+from samba_hf.modeling_samba import SambaModel, cache_layer_kind
+
+MODELS = ("Samba-1.3B", "Llama-1.3B", "Mamba-2-Hybrid", "NemotronH")
+HYBRID_PATTERN = "M-M*-M-"  # blocks 7-13 of the 8B's pattern
+
+
+def configs(smoke: bool) -> dict:
+    """The four models' configs; --smoke: the same layouts at a few hundred thousand parameters."""
+    if smoke:
+        samba = SambaConfig.from_preset("tiny", sliding_window=16)
+        hybrid = SambaConfig.from_preset("mamba2-hybrid-8b", hybrid_override_pattern=HYBRID_PATTERN, vocab_size=512,
+                                         hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, mamba_d_state=8, mamba2_head_dim=16,
+                                         mamba2_n_groups=2, mamba_expand=2, mamba2_chunk_size=16)
+    else:
+        samba = SambaConfig.from_preset("samba-1.3b")
+        hybrid = SambaConfig.from_preset("mamba2-hybrid-8b", hybrid_override_pattern=HYBRID_PATTERN)
+    llama = LlamaConfig(
+        vocab_size=samba.vocab_size, hidden_size=samba.hidden_size, intermediate_size=samba.intermediate_size,
+        num_hidden_layers=samba.num_hidden_layers, num_attention_heads=samba.num_attention_heads,
+        num_key_value_heads=samba.num_key_value_heads, head_dim=samba.head_dim, tie_word_embeddings=True,
+        max_position_embeddings=262144, attn_implementation="sdpa",
+    )
+    c = hybrid
+    nemotron = NemotronHConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, hybrid_override_pattern=HYBRID_PATTERN,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        intermediate_size=c.intermediate_size, mlp_hidden_act="gelu",
+        ssm_state_size=c.mamba_d_state, mamba_num_heads=c.mamba2_num_heads, mamba_head_dim=c.mamba2_head_dim,
+        n_groups=c.mamba2_n_groups, conv_kernel=c.mamba_d_conv, chunk_size=c.mamba2_chunk_size,
+        layer_norm_epsilon=c.rms_norm_eps, tie_word_embeddings=False, use_bias=False, use_conv_bias=True,
+        attention_bias=False, mlp_bias=False, residual_in_fp32=False, attn_implementation="sdpa",
+    )
+    return {"Samba-1.3B": samba, "Llama-1.3B": llama, "Mamba-2-Hybrid": hybrid, "NemotronH": nemotron}
+
+
+def build(name: str, config, device, dtype):
+    torch.manual_seed(0)
+    cls = {"Llama-1.3B": LlamaForCausalLM, "NemotronH": NemotronHForCausalLM}.get(name, SambaForCausalLM)
+    if cls is SambaForCausalLM:
+        config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = cls(config)
+    return model.to(dtype).eval()
+
+
+def filled_cache(model, batch: int, context: int) -> DynamicCache:
+    """A cache as after `context` tokens: random Mamba states and keys/values (a sliding layer keeps window - 1)."""
+    config, device, dtype = model.config, model.device, model.dtype
+    cache = DynamicCache(config=config)
+    SambaModel._write_windows_in_place(cache)  # samba-hf's in-place window, as its forward sets up (others: no-op)
+    for i, layer in enumerate(cache.layers):
+        kind = cache_layer_kind(layer)
+        block = model.model.layers[i]
+        if kind == "linear_attention":
+            mixer = getattr(block, "mamba", None) or block.mixer
+            kernel = mixer.conv1d.kernel_size[0]
+            cache.update_conv_state(torch.randn(batch, mixer.conv1d.in_channels, kernel, device=device, dtype=dtype),
+                                    i, conv_kernel_size=kernel)
+            shape = ((mixer.num_heads, mixer.head_dim) if hasattr(mixer, "num_heads") else (mixer.intermediate_size,))
+            cache.update_recurrent_state(
+                torch.randn(batch, *shape, mixer.ssm_state_size, device=device, dtype=torch.float32), i)
+        elif kind in ("sliding_attention", "full_attention"):
+            length = context if kind == "full_attention" else min(context, config.sliding_window - 1)
+            kv = torch.randn(batch, config.num_key_value_heads, length, config.head_dim, device=device, dtype=dtype)
+            cache.update(kv, kv.clone(), i)
+    return cache
+
+
+class Timer:
+    """Seconds of GPU work between entering and leaving (synchronised), and the peak memory meanwhile, in GiB."""
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        else:
+            self.peak_gib = None
+        self.seconds = time.perf_counter() - self.start
+
+
+def attempt(fn):
+    """fn()'s result, or {"error": ...}: out of memory, or anything a path cannot do (recorded, not fatal)."""
+    try:
+        return fn()
+    except torch.cuda.OutOfMemoryError:
+        return {"error": "out of memory"}
+    except Exception as error:  # a path that fails is a result too
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def prefill(model, length: int, repeat: int) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (1, length), device=model.device)
+    best, peak = float("inf"), 0.0
+    with torch.no_grad():
+        model(ids[:, : min(length, 256)], use_cache=False, logits_to_keep=1)  # warm-up (kernels' first launch)
+        for _ in range(repeat):
+            with Timer() as t:
+                model(ids, use_cache=False, logits_to_keep=1)
+            best, peak = min(best, t.seconds), max(peak, t.peak_gib or 0.0)
+    return {"seconds": best, "tokens_per_s": length / best, "peak_gib": peak}
+
+
+def decode_eager(model, context: int, batch: int, steps: int) -> dict:
+    cache = filled_cache(model, batch, context)
+    token = torch.randint(0, model.config.vocab_size, (batch, 1), device=model.device)
+    with torch.no_grad(), Timer() as t:
+        for step in range(steps):
+            position = torch.full((batch, 1), context + step, device=model.device)
+            logits = model(token, past_key_values=cache, use_cache=True, position_ids=position).logits
+            token = logits[:, -1:].argmax(-1)
+    return {"tokens_per_s": batch * steps / t.seconds, "ms_per_step": 1000 * t.seconds / steps, "peak_gib": t.peak_gib}
+
+
+def decode_graphs(model, context: int, batch: int, steps: int) -> dict:
+    """Through generate with a static cache, which transformers compiles on CUDA (CUDA graphs, "reduce-overhead");
+    the step time from a logits processor's timestamps, after two warm-up steps."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamps(LogitsProcessor):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+            return scores
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=model.device)
+    stamps = Stamps()
+    with Timer() as t:
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 3, min_new_tokens=steps + 3,
+                       do_sample=False, cache_implementation="static", logits_processor=LogitsProcessorList([stamps]),
+                       pad_token_id=0)
+    step = (stamps.times[-1] - stamps.times[2]) / (len(stamps.times) - 3)  # after the prompt and two warm-up steps
+    return {"tokens_per_s": batch / step, "ms_per_step": 1000 * step, "peak_gib": t.peak_gib,
+            "compiled": getattr(model, "_compiled_call", None) is not None}
+
+
+def train_step(model, length: int) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (1, length), device=model.device)
+    model.train()
+    try:
+        model(ids[:, :256], labels=ids[:, :256]).loss.backward()  # warm-up
+        model.zero_grad(set_to_none=True)
+        with Timer() as t:
+            model(ids, labels=ids).loss.backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    return {"tokens_per_s": length / t.seconds, "seconds": t.seconds, "peak_gib": t.peak_gib}
+
+
+def kernels_present() -> dict:
+    """What this environment has: each samba-hf kernel, and whether flash-attn imports."""
+    import importlib.util
+
+    found = ssm_samba.load_kernels()
+    present = {name: getattr(found, name) is not None for name in ssm_samba.Kernels._fields[:-1]}
+    present["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
+    return present
+
+
+def measure(args, device) -> dict:
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    result = {
+        "command": "python benchmarks/gpu.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "date": date.today().isoformat(), "device": device_name(device), "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__, "dtype": str(dtype).replace("torch.", ""),
+        "label": args.label, "kernels": kernels_present(), "models": {},
+    }
+    chosen = {name: config for name, config in configs(args.smoke).items() if name in args.models.split(",")}
+    for name in chosen:
+        result["models"][name] = {"prefill": {}, "decode": {}, "train": {}}
+    # Phase by phase, every model in each (one in memory at a time), so that a run cut short by --time-limit has
+    # every model's prefill and eager decode before the slow compiles of the graphs phase.
+    for phase in ("prefill", "decode", "train", "graphs"):
+        if phase == "graphs" and not args.graphs:
+            continue
+        for name, config in chosen.items():
+            if skip_reason(args):
+                continue
+            model = build(name, config, device, dtype)
+            row = result["models"][name]
+            row["parameters"] = sum(p.numel() for p in model.parameters())
+            PHASES[phase](args, name, model, row)
+            del model
+            if args.out:  # so that a run cut short keeps what it measured
+                write_json(args.out, result)
+    return result
+
+
+def prefill_phase(args, name, model, row):
+    previous = None  # (length, seconds) of the last prefill that ran
+    for length in ints(args.prefill):
+        why = skip_reason(args, previous and previous[1] * length / previous[0])
+        if why:
+            row["prefill"][length] = {"skipped": why}
+            continue
+        repeat = args.repeat if length < 32768 else 1
+        row["prefill"][length] = attempt(lambda: prefill(model, length, repeat))
+        seconds = row["prefill"][length].get("seconds")
+        previous = (length, seconds) if seconds is not None else (1, float("inf"))
+        report(name, f"prefill {length}", row["prefill"][length])
+
+
+def decode_phase(args, name, model, row):
+    for context in ints(args.decode):
+        for batch in sorted({1, args.batch}):
+            why = skip_reason(args)
+            entry = row["decode"].setdefault(f"{context}x{batch}", {})
+            entry["eager"] = {"skipped": why} if why else attempt(lambda: decode_eager(model, context, batch, args.steps))
+            report(name, f"decode {context}x{batch} eager", entry["eager"])
+
+
+def train_phase(args, name, model, row):
+    for length in ints(args.train):
+        why = skip_reason(args)
+        row["train"][length] = {"skipped": why} if why else attempt(lambda: train_step(model, length))
+        report(name, f"train {length}", row["train"][length])
+
+
+def graphs_phase(args, name, model, row):
+    for context in ints(args.decode):
+        for batch in sorted({1, args.batch}):
+            if context > args.graphs_max_context or skip_reason(args):
+                continue
+            entry = row["decode"].setdefault(f"{context}x{batch}", {})
+            entry["graphs"] = attempt(lambda: decode_graphs(model, context, batch, args.steps))
+            report(name, f"decode {context}x{batch} graphs", entry["graphs"])
+            if "error" in entry["graphs"]:
+                return  # one failure says it for the rest
+
+
+PHASES = {"prefill": prefill_phase, "decode": decode_phase, "train": train_phase, "graphs": graphs_phase}
+
+
+def skip_reason(args, predicted_seconds=None) -> str | None:
+    """Why a measurement is skipped: the run is past --time-limit, or the prefill, scaled from the last length that
+    ran, would take over --cap seconds."""
+    if time.perf_counter() - START > args.time_limit:
+        return f"past --time-limit {args.time_limit:g} s"
+    if predicted_seconds is not None and predicted_seconds > args.cap:
+        return f"predicted {predicted_seconds:.3g} s from the last length, over --cap {args.cap:g} s"
+    return None
+
+
+START = time.perf_counter()
+
+
+def report(name, what, values):
+    shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+    print(f"{name:>15} {what:<22} {shown}", flush=True)
+
+
+def write_json(path, result):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(partial, path)
+
+
+def device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from mamba2_hybrid import machine  # the CPU's model and flags
+
+    return machine()
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def plot(paths: list[str], out: str):
+    """Figure 2's two panels: prefill and decode (batch 1, eager and graphs) throughput against length, every model
+    of every file, labelled with the file's --label."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    runs = [json.load(open(p)) for p in paths]
+    for run in runs:
+        for name, row in run["models"].items():
+            points = [(int(k), v["tokens_per_s"]) for k, v in row["prefill"].items() if "tokens_per_s" in v]
+            if points:
+                left.plot(*zip(*points), marker="o", label=f"{name} ({run['label']})")
+            for mode, style in (("eager", "-"), ("graphs", "--")):
+                points = [(int(k.split("x")[0]), v[mode]["tokens_per_s"]) for k, v in row["decode"].items()
+                          if k.endswith("x1") and "tokens_per_s" in v.get(mode, {})]
+                if points:
+                    right.plot(*zip(*points), style, marker="o", label=f"{name} ({run['label']}, {mode})")
+    for axis, title in ((left, "prefill: prompt tokens/s"), (right, "decode, batch 1: tokens/s")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("tokens" if axis is left else "context (tokens)")
+        axis.set_title(title)
+        axis.legend(fontsize=6)
+    fig.suptitle(f"{runs[0]['device']}, {runs[0]['dtype']}, {runs[0]['date']}", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"a subset of {','.join(MODELS)}")
+    parser.add_argument("--prefill", default="2048,4096,8192,16384,32768,65536,131072")
+    parser.add_argument("--decode", default="1024,16384,65536")
+    parser.add_argument("--batch", type=int, default=16, help="the second decode batch size (the first is 1)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    parser.add_argument("--train", default="4096", help="training-step lengths")
+    parser.add_argument("--repeat", type=int, default=2, help="prefill: best of this many")
+    parser.add_argument("--cap", type=float, default=10.0,
+                        help="seconds: a prefill predicted to take longer (scaled from the last length) is skipped")
+    parser.add_argument("--time-limit", type=float, default=float("inf"),
+                        help="seconds for the whole run: measurements after it are skipped (the JSON still written)")
+    parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="also decode through generate with a static cache (compiled, CUDA graphs)")
+    parser.add_argument("--graphs-max-context", type=int, default=1024,
+                        help="contexts up to this decode with graphs too (each context and batch compiles anew)")
+    parser.add_argument("--label", default=None, help="names this run in the plot (default: from the kernels found)")
+    parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks this script, measures nothing")
+    parser.add_argument("--plot", nargs="+", default=None, help="JSON files of earlier runs: draw them, measure nothing")
+    parser.add_argument("--plot-out", default="out/gpu/figure2.png")
+    args = parser.parse_args(argv)
+    if args.plot:
+        missing = [p for p in args.plot if not os.path.isfile(p)]
+        if missing:
+            parser.error(f"--plot: no such file: {', '.join(missing)}")
+        return plot(args.plot, args.plot_out)
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        parser.error(f"--models takes names from {','.join(MODELS)}, got {', '.join(sorted(unknown))}")
+    for option in ("prefill", "decode", "train"):
+        try:
+            values = ints(getattr(args, option))
+        except ValueError:
+            parser.error(f"--{option} takes comma-separated token counts, got {getattr(args, option)!r}")
+        if any(v < 1 for v in values):
+            parser.error(f"--{option} takes positive token counts, got {getattr(args, option)!r}")
+    if args.batch < 1 or args.steps < 2 or args.repeat < 1 or args.cap <= 0 or args.time_limit <= 0:
+        parser.error("--batch and --repeat take 1 or more, --steps 2 or more, --cap and --time-limit a positive "
+                     "number of seconds")
+    if args.out and os.path.isdir(args.out):
+        parser.error(f"--out {args.out} is a folder: give the JSON file's path")
+    if args.smoke:
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print(f"benchmarks/gpu.py: no CUDA GPU on this machine (torch {torch.__version__}); nothing measured. Run it "
+              "on a GPU machine, or pass --smoke to check the script on tiny models here.", file=sys.stderr)
+        return 1
+    else:
+        device = torch.device("cuda")
+    if args.label is None:
+        found = kernels_present()
+        args.label = "+".join(k for k in ("selective_scan_fn", "causal_conv1d_fn", "flash_attn") if found[k]) or "torch"
+    measure(args, device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())

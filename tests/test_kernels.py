@@ -1,0 +1,303 @@
+"""samba-hf's CUDA kernel paths with the real kernel packages, on the CPU under Triton's interpreter.
+
+CI runs this file in its own environment (triton, numpy, and mamba-ssm 2.3.2.post1 and causal-conv1d installed from
+their PyPI sdists without compiling; see .ci/run):
+
+    TRITON_INTERPRET=1 SAMBA_HF_INTERPRET_KERNELS=1 python -m pytest -q tests/test_kernels.py
+
+mamba-ssm's Triton kernels (`selective_state_update`, `mamba_chunk_scan_combined`, forward and backward) run as
+released. Its CUDA scan and causal-conv1d are compiled CUDA, which the interpreter cannot run: for those two only the
+compiled extension is stood in (`kernel_extensions.py`, built from each package's own reference function), under
+the packages' real Python wrappers. Everything is checked against samba-hf's PyTorch path and a float64 reference,
+and the tests count which kernels ran. Skipped outside that environment."""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from samba_hf import ssm_samba
+
+# Under the switch every test runs: a package missing from that environment fails them rather than skipping them.
+pytestmark = pytest.mark.skipif(not ssm_samba.INTERPRET_KERNELS,
+                                reason="needs TRITON_INTERPRET=1 SAMBA_HF_INTERPRET_KERNELS=1 (see the docstring)")
+
+if ssm_samba.INTERPRET_KERNELS:
+    import kernel_extensions
+
+    kernel_extensions.install()
+
+from conftest import tiny_model  # noqa: E402
+from test_mamba2 import float64_ssd, ssd_inputs, tiny_mamba2  # noqa: E402
+from test_reference_models import float64_recurrence  # noqa: E402
+
+KERNEL_NAMES = ssm_samba.Kernels._fields[:-1]
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """Every installed kernel, each wrapped to count its calls; the PyTorch scans fail the test if they run."""
+    monkeypatch.setattr(ssm_samba, "_KERNELS", None)
+    loaded = ssm_samba.load_kernels()
+    assert not loaded.missing, loaded.missing
+    calls = dict.fromkeys(KERNEL_NAMES, 0)
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(ssm_samba, "_KERNELS", loaded._replace(
+        **{name: counting(name, getattr(loaded, name)) for name in KERNEL_NAMES}))
+    forbid_pytorch_scans(monkeypatch)
+    return calls
+
+
+def forbid_pytorch_scans(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a PyTorch scan ran where a kernel should have")
+
+    for name in ("selective_scan_pytorch", "selective_scan_cpu", "ssd_scan_pytorch"):
+        monkeypatch.setattr(ssm_samba, name, refuse)
+
+
+def pytorch_path(monkeypatch):
+    """From here on in the test, CPU tensors take the CPU paths (the reference)."""
+    monkeypatch.undo()
+    monkeypatch.setattr(ssm_samba, "INTERPRET_KERNELS", False)
+
+
+def scan_inputs(batch=2, length=11, d=40, n=5, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    u, z = (torch.randn(batch, length, d, generator=g).to(dtype) for _ in range(2))
+    dt = torch.exp(torch.empty(batch, length, d).uniform_(-6, 0, generator=g))  # 2.5e-3 .. 1
+    A = -torch.exp(torch.empty(d, n).uniform_(-1, 2.5, generator=g))
+    B, C = (torch.randn(batch, length, n, generator=g) for _ in range(2))
+    D = torch.randn(d, generator=g)
+    h0 = torch.randn(batch, d, n, generator=g)
+    return u, dt, A, B, C, D, z, h0
+
+
+def assert_close(actual, expected, tol):
+    expected = expected.double()
+    assert (actual.double() - expected).abs().max() <= tol * max(1.0, expected.abs().max().item())
+
+
+# ---- the kernels, one by one ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mamba_decoding_step_runs_mamba_ssms_triton_kernel(kernels, dtype):
+    """mamba-ssm's selective_state_update raised inside its own launch when given dt_bias=None (the H200 crash of
+    every decode); samba-hf now passes a zero bias. Checked against the float64 recurrence."""
+    u, dt, A, B, C, D, z, h0 = scan_inputs(length=1, dtype=dtype)
+    y, h = ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)
+    y_ref, h_ref = float64_recurrence(u, dt, A, B, C, D, z, h0)
+    assert kernels["selective_state_update"] == 1 and y.dtype == dtype and h.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_close(y, y_ref, tol)
+    assert_close(h, h_ref, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mamba2_decoding_step_runs_mamba_ssms_triton_kernel(kernels, dtype):
+    """The same kernel for Mamba-2's one-token step (dt, A and dt_bias per head, as stride-0 views over head_dim)."""
+    x, dt, A, B, C, D, h0 = ssd_inputs(length=1)
+    y, h = ssm_samba.ssd_scan(x.to(dtype), dt, A, B.to(dtype), C.to(dtype), D, h0)
+    y_ref, h_ref = float64_ssd(x.to(dtype), dt, A, B.to(dtype), C.to(dtype), D, h0)
+    assert kernels["selective_state_update"] == 1 and y.dtype == dtype
+    assert_close(y, y_ref, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert_close(h, h_ref, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("from_state", [False, True])
+def test_the_mamba_scan_runs_selective_scan_fn_from_any_state(kernels, monkeypatch, dtype, from_state):
+    """selective_scan_fn takes no initial state: from a cached state samba-hf adds the exact correction (linear in the
+    state), so a continuation never steps per token in Python. Values, last state and gradients."""
+    u, dt, A, B, C, D, z, h0 = scan_inputs(dtype=dtype)
+    h0 = h0 if from_state else None
+    leaves = [t.clone().requires_grad_() for t in (u, dt, B, C)]
+    y, h = ssm_samba.selective_scan(leaves[0], leaves[1], A, leaves[2], leaves[3], D, z, h0)
+    assert kernels["selective_scan_fn"] == 1
+    start = torch.zeros(2, 40, 5) if h0 is None else h0
+    # selective_scan_fn reads dt, B and C in u's dtype (its CUDA code checks it)
+    y_ref, h_ref = float64_recurrence(u, dt.to(dtype), A, B.to(dtype), C.to(dtype), D, z, start)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert y.dtype == dtype and h.dtype == torch.float32
+    assert_close(y, y_ref, tol)
+    assert_close(h, h_ref, 1e-5)
+    if dtype != torch.float32:
+        return
+    grads = torch.autograd.grad(y.float().pow(2).sum(), leaves)
+    pytorch_path(monkeypatch)
+    reference = [t.clone().requires_grad_() for t in (u, dt, B, C)]
+    y_p, _ = ssm_samba.selective_scan_pytorch(reference[0], reference[1], A, reference[2], reference[3], D, z, h0)
+    for grad, ref in zip(grads, torch.autograd.grad(y_p.pow(2).sum(), reference)):
+        assert_close(grad, ref, 1e-4)
+
+
+# Half precision as float16: Triton 3.9's interpreter multiplies bfloat16 matrices wrongly (tl.dot of two 16 x 16
+# bfloat16 blocks is off by 1e10 on the CPU), which this kernel's chunks are made of; on a GPU bfloat16 is what runs.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("from_state", [False, True])
+def test_the_mamba2_scan_runs_mamba_chunk_scan_combined(kernels, monkeypatch, dtype, from_state):
+    x, dt, A, B, C, D, h0 = ssd_inputs(length=21)
+    h0 = h0 if from_state else None
+    x, B, C = x.to(dtype), B.to(dtype), C.to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, dt, B, C)]
+    y, last = ssm_samba.ssd_scan(*leaves[:2], A, *leaves[2:], D, h0, chunk_size=8)
+    assert kernels["mamba_chunk_scan_combined"] == 1
+    y_ref, last_ref = float64_ssd(x, dt, A, B, C, D, torch.zeros(2, 6, 4, 5) if h0 is None else h0)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert y.dtype == dtype
+    assert_close(y, y_ref, tol)
+    assert_close(last, last_ref, tol)
+    if dtype != torch.float32:
+        return
+    grads = torch.autograd.grad(y.pow(2).sum(), leaves)
+    pytorch_path(monkeypatch)
+    reference = [t.clone().requires_grad_() for t in (x, dt, B, C)]
+    y_p, _ = ssm_samba.ssd_scan_pytorch(*reference[:2], A, *reference[2:], D, h0, chunk_size=8)
+    for grad, ref in zip(grads, torch.autograd.grad(y_p.pow(2).sum(), reference)):
+        assert_close(grad, ref, 1e-3)
+
+
+def test_the_causal_conv_runs_causal_conv1d(kernels):
+    conv = torch.nn.Conv1d(24, 24, kernel_size=4, groups=24, padding=3)
+    window = torch.randn(2, 24, 13)
+    with torch.no_grad():
+        reference = conv(window)[..., :13]
+        for seq_len in (13, 5, 1):  # prompt, continuation after a cached window, one-token step
+            out = ssm_samba.causal_conv(conv, window, seq_len)
+            assert (out - reference[..., -seq_len:]).abs().max() <= 1e-5
+    assert kernels["causal_conv1d_fn"] == 2 and kernels["causal_conv1d_update"] == 1
+
+
+# ---- whole models ---------------------------------------------------------------------------------------------------
+
+def run_everything(model, ids, prefix):
+    """Logits of one forward; the gradients of a training step; greedy tokens from a cached prompt (one-token steps);
+    the logits of a multi-token continuation from the cache, and of a prompt cut into 4-token inference chunks."""
+    with torch.no_grad():
+        logits = model(ids).logits
+        tokens = model.generate(ids[:, :prefix], attention_mask=torch.ones_like(ids[:, :prefix]), max_new_tokens=5,
+                                do_sample=False, pad_token_id=0, eos_token_id=None)
+        cache = model(ids[:, :prefix], use_cache=True).past_key_values
+        continued = model(ids[:, prefix:], past_key_values=cache, use_cache=True).logits
+        model.config.inference_chunk_size = 4
+        chunked = model(ids).logits
+        model.config.inference_chunk_size = 0
+    model.zero_grad()
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    model.eval()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logits, grads, tokens, continued, chunked
+
+
+@pytest.mark.parametrize("kind", ["samba", "mamba2"])
+def test_a_model_runs_every_kernel_and_equals_the_pytorch_path(kernels, monkeypatch, kind):
+    model = tiny_model(seed=3) if kind == "samba" else tiny_mamba2("megatron", seed=5)
+    ids = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(1))
+    with_kernels = run_everything(model, ids, prefix=9)
+    ran = {name: count for name, count in kernels.items() if count}
+    scan = "selective_scan_fn" if kind == "samba" else "mamba_chunk_scan_combined"
+    assert set(ran) == {scan, "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update"}, ran
+    pytorch_path(monkeypatch)
+    reference = run_everything(model, ids, prefix=9)
+    for got, want in zip(with_kernels[:1] + with_kernels[3:], reference[:1] + reference[3:]):
+        assert_close(got, want, 1e-4)
+    assert torch.equal(with_kernels[2], reference[2])
+    assert with_kernels[1].keys() == reference[1].keys()
+    for name in reference[1]:
+        assert_close(with_kernels[1][name], reference[1][name], 1e-3)
+
+
+def test_a_bfloat16_model_decodes_with_the_kernels(kernels, monkeypatch):
+    model = tiny_model(seed=3).to(torch.bfloat16)
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        step = model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+    assert kernels["selective_state_update"] == 2 and torch.isfinite(step).all()
+
+
+@pytest.mark.parametrize("target", ["in_proj", "x_proj", "dt_proj", "out_proj"])
+def test_adapters_on_the_mamba_projections_reach_the_kernel_path(kernels, monkeypatch, target):
+    from test_peft import IDS, adapted, decode_logits, differs
+
+    model = adapted(target).eval()
+    with torch.no_grad():
+        with_kernels = model(input_ids=IDS).logits
+        decoded = decode_logits(model, IDS)
+        with model.disable_adapter():
+            base = model(input_ids=IDS).logits
+    assert kernels["selective_scan_fn"] > 0 and kernels["selective_state_update"] > 0 and kernels["causal_conv1d_fn"] > 0
+    pytorch_path(monkeypatch)
+    with torch.no_grad():
+        pytorch = model(input_ids=IDS).logits
+    assert differs(with_kernels, base)
+    assert_close(with_kernels, pytorch, 1e-4)
+    assert_close(decoded, pytorch[:, -3:], 1e-4)
+
+
+def test_an_adapter_wrapped_conv_runs_as_its_module(kernels):
+    class WrappedConv(torch.nn.Conv1d):  # what an adapter library's wrapper looks like to the dispatch
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    model = tiny_model(seed=5)
+    ids = torch.randint(3, 97, (1, 12))
+    with torch.no_grad():
+        base = model(ids).logits
+        for layer in model.model.layers:
+            if layer.layer_type == "linear_attention":
+                plain = layer.mamba.conv1d
+                wrapped = WrappedConv(plain.in_channels, plain.out_channels, plain.kernel_size[0],
+                                      groups=plain.groups, padding=plain.padding[0])
+                wrapped.load_state_dict(plain.state_dict())
+                layer.mamba.conv1d = wrapped
+        conv_calls = kernels["causal_conv1d_fn"]
+        wrapped_out = model(ids).logits
+    assert kernels["causal_conv1d_fn"] == conv_calls  # the module ran, not the kernel
+    assert not torch.allclose(base, wrapped_out)
+
+
+# ---- loading, and what happens without a kernel ---------------------------------------------------------------------
+
+def test_the_triton_ops_load_without_mamba_ssms_init_or_its_cuda_extension():
+    """An install without the compiled scan (MAMBA_SKIP_CUDA_BUILD=TRUE, as here) still gives the Triton kernels;
+    mamba_ssm/__init__.py (which imports the compiled scan and Mamba-3) never runs, and a later `import mamba_ssm`
+    finds no half-made package in its way. In a fresh process: nothing of this test's stand-ins there."""
+    script = (
+        "import sys\n"
+        "from samba_hf import ssm_samba\n"
+        "k = ssm_samba.load_kernels()\n"
+        "assert k.selective_state_update is not None and k.mamba_chunk_scan_combined is not None, k.missing\n"
+        "assert k.selective_scan_fn is None and 'selective_scan_cuda' in k.missing['selective_scan_fn'], k.missing\n"
+        "assert k.causal_conv1d_fn is None and 'causal_conv1d_cuda' in k.missing['causal_conv1d_fn'], k.missing\n"
+        "assert 'mamba_ssm' not in sys.modules and 'mamba_ssm.modules.mamba3' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_mamba_ssms_main_branch_without_its_extension_falls_back_once(monkeypatch, caplog):
+    """mamba-ssm's main branch imports without its CUDA scan (selective_scan_cuda = None) and raises only when
+    selective_scan_fn is called: samba-hf looks at the extension, logs one line, and scans in PyTorch."""
+    interface = ssm_samba._import_mamba_ssm("ops.selective_scan_interface")
+    monkeypatch.setattr(interface, "selective_scan_cuda", None)
+    monkeypatch.setattr(ssm_samba, "_KERNELS", None)
+    assert ssm_samba.load_kernels().selective_scan_fn is None
+    logging.Logger.warning_once.cache_clear()
+    u, dt, A, B, C, D, z, h0 = scan_inputs()
+    with caplog.at_level(logging.WARNING):
+        y1, _ = ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)
+        y2, _ = ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)
+    lines = [r.getMessage() for r in caplog.records if "selective_scan_fn" in r.getMessage()]
+    assert len(lines) == 1 and "runs in PyTorch" in lines[0] and "MAMBA_KEEP_CUDA_BUILD=TRUE" in lines[0]
+    assert_close(y1, float64_recurrence(u, dt, A, B, C, D, z, h0)[0], 1e-5)
