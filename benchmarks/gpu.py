@@ -15,7 +15,9 @@ Measured: prefill (one forward, `logits_to_keep=1`, no cache) at --prefill lengt
 step's time does not depend on them), eager (the model called step by step, as generate's loop does) and, with
 --graphs, through `generate(cache_implementation="static")` with transformers' compile (CUDA graphs where it
 compiles) at contexts up to --graphs-max-context (each context and batch compiles anew); a training step (forward and backward, batch 1) at
---train tokens/s; peak GPU memory of each. A prefill predicted (from the last length) to take over --cap seconds is skipped, and so
+--train tokens/s; peak GPU memory of each. First, Samba-1.3B's sliding-window attention alone as samba-hf computes it
+without flash-attn (block by block through sdpa) against sdpa over the full causal prompt, up to 32K: linear time,
+and the speed per key attended. A prefill predicted (from the last length) to take over --cap seconds is skipped, and so
 is everything after --time-limit, each recorded as skipped with why; an out-of-memory is recorded as such.
 
 Which kernels run is whatever this environment has (recorded under "kernels"): run it once with mamba-ssm and
@@ -218,6 +220,7 @@ def measure(args, device) -> dict:
         "transformers": __import__("transformers").__version__, "dtype": str(dtype).replace("torch.", ""),
         "label": args.label, "kernels": kernels_present(), "models": {},
     }
+    result["sliding_attention"] = sliding_attention(args, device, dtype)
     chosen = {name: config for name, config in configs(args.smoke).items() if name in args.models.split(",")}
     for name in chosen:
         result["models"][name] = {"prefill": {}, "decode": {}, "train": {}}
@@ -279,6 +282,47 @@ def graphs_phase(args, name, model, row):
             report(name, f"decode {context}x{batch} graphs", entry["graphs"])
             if "error" in entry["graphs"]:
                 return  # one failure says it for the rest
+
+
+def attention_lengths(args) -> list[int]:
+    return [n for n in ints(args.prefill) if n <= 32768]
+
+
+def sliding_attention(args, device, dtype) -> dict:
+    """One Samba-1.3B attention layer's sliding-window attention on a prompt, as samba-hf computes it without
+    flash-attn (`sliding_window_attention_blockwise`, sdpa per block of queries), against torch's sdpa over the full
+    causal prompt (flash where the GPU has it): seconds and keys attended per second at each length."""
+    from types import SimpleNamespace
+
+    from samba_hf.modeling_samba import sliding_window_attention_blockwise
+
+    config = configs(args.smoke)["Samba-1.3B"]
+    heads, head_dim, window = config.num_attention_heads, config.head_dim, config.sliding_window
+    module = SimpleNamespace(num_key_value_groups=1)
+    rows = {}
+    for length in attention_lengths(args):
+        if skip_reason(args):
+            rows[length] = {"skipped": skip_reason(args)}
+            continue
+        q, k, v = (torch.randn(1, heads, length, head_dim, device=device, dtype=dtype) for _ in range(3))
+
+        def timed(fn):
+            fn()  # warm-up
+            with Timer() as t:
+                fn()
+            return t.seconds
+
+        def measure_both():
+            window_s = timed(lambda: sliding_window_attention_blockwise(module, q, k, v, None, window, head_dim**-0.5))
+            full_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+            keys = sum(min(i + 1, window) for i in range(length))  # (query, key) pairs each computes that count
+            return {"window_seconds": window_s, "full_causal_seconds": full_s,
+                    "window_keys_per_s": keys / window_s, "full_causal_keys_per_s": length * (length + 1) / 2 / full_s}
+
+        with torch.no_grad():
+            rows[length] = attempt(measure_both)
+        report("attention", f"length {length}", rows[length])
+    return rows
 
 
 PHASES = {"prefill": prefill_phase, "decode": decode_phase, "train": train_phase, "graphs": graphs_phase}

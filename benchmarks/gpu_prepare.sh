@@ -10,8 +10,8 @@ pip download -q --no-deps --only-binary :all: -d "$bundle" transformers==5.24.0 
 for spec in mamba-ssm==2.3.2.post1 causal-conv1d==1.7.0; do
     name=${spec%%==*}; version=${spec##*==}
     url=$(python3 -c "import json, sys, urllib.request
-data = json.load(urllib.request.urlopen('https://pypi.org/pypi/$name/$version/json'))
-print(next(u['url'] for u in data['urls'] if u['packagetype'] == 'sdist'))")
+data = json.load(urllib.request.urlopen('https://pypi.org/pypi/$name/json'))
+print(next(u['url'] for u in data['releases']['$version'] if u['packagetype'] == 'sdist'))")
     [ -f "$bundle/$(basename "$url")" ] || curl -sSfL -o "$bundle/$(basename "$url")" "$url"
 done
 ls -l "$bundle"

@@ -1,7 +1,8 @@
-"""Kernel paths against the PyTorch path, on a GPU. Skipped where there is none (CI has none).
+"""Kernel paths against the PyTorch path, on a GPU. Skipped where there is none (CI has none: there
+tests/test_kernels.py runs the same kernel paths under Triton's interpreter).
 
-Run on a GPU machine with `python -m pytest -q tests/test_gpu.py` (mamba-ssm / flash-attn parts are skipped when
-those packages are not installed)."""
+Run on a GPU machine with `python -m pytest -q tests/test_gpu.py`, with and without mamba-ssm / causal-conv1d /
+flash-attn installed (benchmarks/gpu_run.sh does both); the cases of a package that is not there are skipped."""
 
 import importlib.util
 
@@ -13,9 +14,11 @@ from samba_hf import ssm_samba
 from conftest import tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-needs_mamba_ssm = pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is None, reason="needs mamba-ssm")
-needs_causal_conv1d = pytest.mark.skipif(importlib.util.find_spec("causal_conv1d") is None,
-                                         reason="needs causal-conv1d")
+KERNELS = ssm_samba.load_kernels()
+needs_mamba_ssm = pytest.mark.skipif(KERNELS.selective_state_update is None or KERNELS.mamba_chunk_scan_combined is None,
+                                     reason="needs mamba-ssm's Triton kernels")
+needs_cuda_scan = pytest.mark.skipif(KERNELS.selective_scan_fn is None, reason="needs mamba-ssm's CUDA scan")
+needs_causal_conv1d = pytest.mark.skipif(KERNELS.causal_conv1d_fn is None, reason="needs causal-conv1d")
 
 
 @needs_causal_conv1d
@@ -32,6 +35,7 @@ def test_causal_conv_kernels_match_the_module(dtype):
             assert (out.float() - ref[..., -seq_len:].float()).abs().max() <= tol
 
 
+@needs_cuda_scan
 @needs_mamba_ssm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_selective_scan_kernel_matches_pytorch(dtype):
@@ -46,6 +50,12 @@ def test_selective_scan_kernel_matches_pytorch(dtype):
     y_k, h_k = ssm_samba.selective_scan(u, dt, A, B, C, D, z)
     y_p, h_p = ssm_samba.selective_scan_pytorch(u, dt, A, B, C, D, z)
     tol = 1e-3 if dtype == torch.float32 else 5e-2
+    assert (y_k.float() - y_p.float()).abs().max() <= tol * max(1, y_p.abs().max().item())
+    assert (h_k - h_p).abs().max() <= tol * max(1, h_p.abs().max().item())
+    # a continuation from a state: selective_scan_fn plus the initial-state correction
+    h0 = torch.randn(b, d, n, device="cuda", generator=g)
+    y_k, h_k = ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)
+    y_p, h_p = ssm_samba.selective_scan_pytorch(u, dt.to(dtype), A, B.to(dtype), C.to(dtype), D, z, h0)
     assert (y_k.float() - y_p.float()).abs().max() <= tol * max(1, y_p.abs().max().item())
     assert (h_k - h_p).abs().max() <= tol * max(1, h_p.abs().max().item())
     # one-token step from a state: selective_state_update
@@ -144,3 +154,21 @@ def test_mamba2_layouts_on_cuda_match_the_cpu(layout):
         cuda = model.cuda()(ids.cuda()).logits.cpu()
     assert (cuda - cpu).abs().max() <= 1e-3 * cpu.abs().max()
     assert torch.equal(_greedy(model, ids.cuda()[:, :10], 20).cpu(), _greedy(model.cpu(), ids[:, :10], 20))
+
+
+@needs_cuda_scan
+@needs_mamba_ssm
+def test_a_cached_continuation_never_steps_per_token_in_python(monkeypatch):
+    """With mamba-ssm, a prompt continued from the cache, and a prompt cut into inference chunks, run the kernels
+    only: the PyTorch scan is made to fail."""
+    model = tiny_model(seed=4).cuda()
+    ids = torch.randint(3, 97, (2, 40), device="cuda")
+    with torch.no_grad():
+        reference = model(ids).logits
+        monkeypatch.setattr(ssm_samba, "selective_scan_pytorch", lambda *a, **k: pytest.fail("the PyTorch scan ran"))
+        cache = model(ids[:, :25], use_cache=True).past_key_values
+        continued = model(ids[:, 25:], past_key_values=cache, use_cache=True).logits
+        model.config.inference_chunk_size = 16
+        chunked = model(ids).logits
+    assert (continued - reference[:, 25:]).abs().max() <= 1e-3 * reference.abs().max()
+    assert (chunked - reference).abs().max() <= 1e-3 * reference.abs().max()
