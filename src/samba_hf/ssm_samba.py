@@ -173,7 +173,7 @@ def _interpreter_shims():
         return
     cuda_device, properties, prune = torch.cuda.device, torch.cuda.get_device_properties, Autotuner.prune_configs
 
-    def device(index):
+    def device_or_none(index):
         return contextlib.nullcontext() if index is None else cuda_device(index)
 
     def get_device_properties(device=None):
@@ -181,8 +181,8 @@ def _interpreter_shims():
             return types.SimpleNamespace(multi_processor_count=1, name="cpu (Triton interpreter)")
         return properties(device)
 
-    device._samba_hf_shim = True
-    torch.cuda.device, torch.cuda.get_device_properties = device, get_device_properties
+    device_or_none._samba_hf_shim = True
+    torch.cuda.device, torch.cuda.get_device_properties = device_or_none, get_device_properties
     Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
 
 
