@@ -191,7 +191,8 @@ def package(model, tokenizer, report: dict, out: str, card: str | None = None):
     model.config.max_position_embeddings = UNLIMITED_POSITIONS  # trained on 256-token blocks, but no length limit
     model.generation_config.max_length = None
     to_bfloat16_storage(model)
-    code = [Path(out, name) for name in ("configuration_samba.py", "modeling_samba.py", "ssm_samba.py", "linear_samba.py")]
+    code = [Path(out, name) for name in (
+        "configuration_samba.py", "modeling_samba.py", "ssm_samba.py", "linear_samba.py", "triton_scan_samba.py")]
     for link in code:
         if link.is_symlink():  # a link written below by an earlier run: save_pretrained copies the code anew
             link.unlink()

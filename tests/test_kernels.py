@@ -14,6 +14,7 @@ and the tests count which kernels ran. Skipped outside that environment."""
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,9 +37,13 @@ from test_reference_models import float64_recurrence  # noqa: E402
 KERNEL_NAMES = ssm_samba.Kernels._fields[:-1]
 
 
-@pytest.fixture
-def kernels(monkeypatch):
-    """Every installed kernel, each wrapped to count its calls; the PyTorch scans fail the test if they run."""
+PACKAGES = ("selective_scan_fn", "selective_state_update", "mamba_chunk_scan_combined", "causal_conv1d_fn",
+            "causal_conv1d_update")  # mamba-ssm's and causal-conv1d's
+
+
+def only(monkeypatch, names) -> dict:
+    """From here on only the kernels `names` are there (the others as if not installed), each wrapped to count its
+    calls; the PyTorch scans fail the test if they run. Returns the counts."""
     monkeypatch.setattr(ssm_samba, "_KERNELS", None)
     loaded = ssm_samba.load_kernels()
     assert not loaded.missing, loaded.missing
@@ -50,10 +55,23 @@ def kernels(monkeypatch):
             return fn(*args, **kwargs)
         return wrapped
 
-    monkeypatch.setattr(ssm_samba, "_KERNELS", loaded._replace(
-        **{name: counting(name, getattr(loaded, name)) for name in KERNEL_NAMES}))
+    chosen = {name: counting(name, getattr(loaded, name)) if name in names else None for name in KERNEL_NAMES}
+    missing = {name: "left out by the test" for name in KERNEL_NAMES if name not in names}
+    monkeypatch.setattr(ssm_samba, "_KERNELS", ssm_samba.Kernels(**chosen, missing=missing))
     forbid_pytorch_scans(monkeypatch)
     return calls
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """mamba-ssm's and causal-conv1d's kernels, counted (samba-hf's Triton scan left out)."""
+    return only(monkeypatch, PACKAGES)
+
+
+@pytest.fixture
+def triton_only(monkeypatch):
+    """What `pip install samba-hf` gives on a GPU: samba-hf's Triton scan, no kernel package."""
+    return only(monkeypatch, ("selective_scan_triton",))
 
 
 def forbid_pytorch_scans(monkeypatch):
@@ -139,6 +157,80 @@ def test_the_mamba_scan_runs_selective_scan_fn_from_any_state(kernels, monkeypat
         assert_close(grad, ref, 1e-4)
 
 
+@pytest.mark.parametrize("length", [1, 11, 64, 150])  # one token; within, at and across the 64-token chunks
+@pytest.mark.parametrize("from_state", [False, True])
+def test_samba_hfs_triton_scan_equals_float64_with_its_gradients(triton_only, length, from_state):
+    u, dt, A, B, C, D, z, h0 = scan_inputs(length=length)
+    h0 = h0 if from_state else None
+    leaves = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)] + ([h0.clone().requires_grad_()] if from_state else [])
+    y, h = ssm_samba.selective_scan(*leaves[:7], leaves[7] if from_state else None)
+    assert triton_only["selective_scan_triton"] == 1 and y.dtype == torch.float32 and h.dtype == torch.float32
+    weights = torch.randn_like(y), torch.randn_like(h)
+    grads = torch.autograd.grad((y * weights[0]).sum() + (h * weights[1]).sum(), leaves)
+    reference = [t.detach().double().requires_grad_() for t in leaves]
+    y_ref, h_ref = float64_recurrence(*reference[:7], reference[7] if from_state else torch.zeros(2, 40, 5).double())
+    expected = torch.autograd.grad((y_ref * weights[0]).sum() + (h_ref * weights[1]).sum(), reference)
+    assert_close(y, y_ref, 1e-5)
+    assert_close(h, h_ref, 1e-5)
+    for name, grad, want in zip(("u", "dt", "A", "B", "C", "D", "z", "h0"), grads, expected):
+        assert grad.shape == want.shape, name
+        assert_close(grad, want, 1e-4)
+
+
+def test_samba_hfs_triton_scan_in_bfloat16_and_over_padding(triton_only):
+    """bf16 inputs (float32 state, y in bf16); a zero step leaves the state as it was (padding)."""
+    u, dt, A, B, C, D, z, h0 = scan_inputs(length=20, dtype=torch.bfloat16)
+    y, h = ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)
+    y_ref, h_ref = float64_recurrence(u, dt, A, B, C, D, z, h0)
+    assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
+    assert_close(y, y_ref, 1e-2)
+    assert_close(h, h_ref, 1e-5)
+    gap = dt.clone()
+    gap[:, 5:9] = 0  # four padded positions
+    keep = [t for t in range(20) if not 5 <= t < 9]
+    _, with_gap = ssm_samba.selective_scan(u, gap, A, B, C, D, z, h0)
+    _, without = ssm_samba.selective_scan(u[:, keep], dt[:, keep], A, B[:, keep], C[:, keep], D, z[:, keep], h0)
+    assert_close(with_gap, without, 1e-6)
+
+
+def test_packed_documents_train_through_samba_hfs_triton_scan(triton_only, monkeypatch):
+    """A packed batch (position_ids restarting at each document): each document's loss and gradients as if alone."""
+    from transformers import DataCollatorWithFlattening
+
+    model = tiny_model(seed=6)
+    documents = [torch.randint(3, 97, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+                 for length in (9, 5, 13)]
+    batch = DataCollatorWithFlattening()([{"input_ids": d} for d in documents])
+    model.train()
+    loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss
+    grads = torch.autograd.grad(loss, [model.model.layers[0].mamba.A_log, model.model.layers[0].mamba.in_proj.weight])
+    assert triton_only["selective_scan_triton"] > 0
+    pytorch_path(monkeypatch)
+    model.zero_grad()
+    reference = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss
+    expected = torch.autograd.grad(reference, [model.model.layers[0].mamba.A_log,
+                                               model.model.layers[0].mamba.in_proj.weight])
+    assert_close(loss, reference, 1e-5)
+    for grad, want in zip(grads, expected):
+        assert_close(grad, want, 1e-4)
+
+
+def test_a_saved_folder_runs_the_triton_scan_from_its_own_code(triton_only, tmp_path):
+    """save_pretrained copies triton_scan_samba.py beside the other remote-code files; loaded with trust_remote_code
+    where samba_hf cannot be imported, the folder's own Triton scan gives the same logits."""
+    from test_save_load import assert_loads_without_the_package
+
+    model = tiny_model(seed=8)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "triton_scan_samba.py").read_bytes() == Path(ssm_samba.__file__).with_name(
+        "triton_scan_samba.py").read_bytes()
+    ids = torch.randint(3, 97, (1, 20))
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
+    assert triton_only["selective_scan_triton"] == 2  # the tiny model's two Mamba layers
+    assert_loads_without_the_package(tmp_path)
+
+
 # Half precision as float16: Triton 3.9's interpreter multiplies bfloat16 matrices wrongly (tl.dot of two 16 x 16
 # bfloat16 blocks is off by 1e10 on the CPU), which this kernel's chunks are made of; on a GPU bfloat16 is what runs.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -198,14 +290,18 @@ def run_everything(model, ids, prefix):
     return logits, grads, tokens, continued, chunked
 
 
-@pytest.mark.parametrize("kind", ["samba", "mamba2"])
-def test_a_model_runs_every_kernel_and_equals_the_pytorch_path(kernels, monkeypatch, kind):
+@pytest.mark.parametrize("kind, installed, expected", [
+    ("samba", "packages", {"selective_scan_fn", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update"}),
+    ("samba", "triton only", {"selective_scan_triton"}),
+    ("mamba2", "packages", {"mamba_chunk_scan_combined", "selective_state_update", "causal_conv1d_fn",
+                            "causal_conv1d_update"}),
+])
+def test_a_model_runs_every_kernel_and_equals_the_pytorch_path(monkeypatch, kind, installed, expected):
+    calls = only(monkeypatch, PACKAGES if installed == "packages" else ("selective_scan_triton",))
     model = tiny_model(seed=3) if kind == "samba" else tiny_mamba2("megatron", seed=5)
     ids = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(1))
     with_kernels = run_everything(model, ids, prefix=9)
-    ran = {name: count for name, count in kernels.items() if count}
-    scan = "selective_scan_fn" if kind == "samba" else "mamba_chunk_scan_combined"
-    assert set(ran) == {scan, "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update"}, ran
+    assert {name for name, count in calls.items() if count} == expected, calls
     pytorch_path(monkeypatch)
     reference = run_everything(model, ids, prefix=9)
     for got, want in zip(with_kernels[:1] + with_kernels[3:], reference[:1] + reference[3:]):
@@ -286,18 +382,30 @@ def test_the_triton_ops_load_without_mamba_ssms_init_or_its_cuda_extension():
     assert result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
-def test_mamba_ssms_main_branch_without_its_extension_falls_back_once(monkeypatch, caplog):
+def test_mamba_ssms_main_branch_without_its_extension_runs_samba_hfs_triton_scan(monkeypatch, caplog):
     """mamba-ssm's main branch imports without its CUDA scan (selective_scan_cuda = None) and raises only when
-    selective_scan_fn is called: samba-hf looks at the extension, logs one line, and scans in PyTorch."""
+    selective_scan_fn is called: samba-hf looks at the extension, and scans with its own Triton kernel."""
     interface = ssm_samba._import_mamba_ssm("ops.selective_scan_interface")
     monkeypatch.setattr(interface, "selective_scan_cuda", None)
     monkeypatch.setattr(ssm_samba, "_KERNELS", None)
-    assert ssm_samba.load_kernels().selective_scan_fn is None
+    loaded = ssm_samba.load_kernels()
+    assert loaded.selective_scan_fn is None and "selective_scan_cuda" in loaded.missing["selective_scan_fn"]
+    forbid_pytorch_scans(monkeypatch)
+    u, dt, A, B, C, D, z, h0 = scan_inputs()
+    y, _ = ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)
+    assert_close(y, float64_recurrence(u, dt, A, B, C, D, z, h0)[0], 1e-5)
+
+
+def test_without_any_kernel_the_fallback_is_said_once(monkeypatch, caplog):
+    """No Triton scan either (no triton): one warning that names what runs and what to install, then PyTorch."""
+    monkeypatch.setattr(ssm_samba, "_KERNELS", ssm_samba.Kernels(
+        *[None] * len(KERNEL_NAMES), missing={"selective_scan_triton": "ImportError: no triton"}))
     logging.Logger.warning_once.cache_clear()
     u, dt, A, B, C, D, z, h0 = scan_inputs()
     with caplog.at_level(logging.WARNING):
         y1, _ = ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)
-        y2, _ = ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)
-    lines = [r.getMessage() for r in caplog.records if "selective_scan_fn" in r.getMessage()]
-    assert len(lines) == 1 and "runs in PyTorch" in lines[0] and "MAMBA_KEEP_CUDA_BUILD=TRUE" in lines[0]
+        ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)
+    lines = [r.getMessage() for r in caplog.records if "samba-hf" in r.getMessage()]
+    assert len(lines) == 1 and "selective_scan_triton is unavailable (ImportError: no triton)" in lines[0]
+    assert "runs in PyTorch" in lines[0] and "install triton" in lines[0]
     assert_close(y1, float64_recurrence(u, dt, A, B, C, D, z, h0)[0], 1e-5)

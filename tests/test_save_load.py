@@ -14,7 +14,7 @@ from samba_hf import SambaForCausalLM
 
 from conftest import tiny_model
 
-REMOTE_FILES = {"configuration_samba.py", "modeling_samba.py", "ssm_samba.py", "linear_samba.py"}
+REMOTE_FILES = {"configuration_samba.py", "modeling_samba.py", "ssm_samba.py", "linear_samba.py", "triton_scan_samba.py"}
 
 
 @pytest.fixture(scope="module")

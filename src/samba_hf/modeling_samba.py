@@ -1237,7 +1237,8 @@ from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)  # or `import samba_hf` first
 ```
 
-The folder carries its own modeling code (`modeling_samba.py`, `configuration_samba.py`, `ssm_samba.py`, `linear_samba.py`), so
+The folder carries its own modeling code (`modeling_samba.py`, `configuration_samba.py`, `ssm_samba.py`, `linear_samba.py`,
+`triton_scan_samba.py`), so
 `trust_remote_code=True` works without the samba-hf package.
 """
 

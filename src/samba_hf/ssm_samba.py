@@ -8,8 +8,11 @@
 
     Mamba scan, from zero or from a cached state  mamba-ssm's CUDA `selective_scan_fn` (from a state: plus the exact
                                                   correction `initial_state_correction`, so no token is stepped in
-                                                  Python); without its compiled extension, the PyTorch scan
-    Mamba / Mamba-2 one-token step               mamba-ssm's Triton `selective_state_update`
+                                                  Python); without it, samba-hf's own Triton scan
+                                                  (`triton_scan_samba.py`: torch and Triton only)
+    Mamba one-token step                         mamba-ssm's Triton `selective_state_update`; without it, samba-hf's
+                                                  Triton scan
+    Mamba-2 one-token step                       mamba-ssm's Triton `selective_state_update`
     Mamba-2 (SSD) scan                           mamba-ssm's Triton `mamba_chunk_scan_combined` (takes a state)
     causal conv                                  causal-conv1d's `causal_conv1d_fn` / `causal_conv1d_update`
                                                  (a plain `nn.Conv1d` only: an adapter-wrapped conv runs as a module)
@@ -78,6 +81,7 @@ INTERPRET_KERNELS = _interpret_kernels()
 class Kernels(typing.NamedTuple):
     """The installed kernels samba-hf can call (None where absent), and why each absent one is."""
 
+    selective_scan_triton: Callable | None  # samba-hf's own (triton_scan_samba.py): needs only Triton
     selective_scan_fn: Callable | None  # mamba-ssm, compiled CUDA (its extension `selective_scan_cuda`)
     selective_state_update: Callable | None  # mamba-ssm, Triton: one token, Mamba-1 and Mamba-2
     mamba_chunk_scan_combined: Callable | None  # mamba-ssm, Triton: Mamba-2's SSD
@@ -138,6 +142,12 @@ def load_kernels() -> Kernels:
 
         return causal_conv1d_fn, causal_conv1d_update
 
+    def triton_scan():
+        from .triton_scan_samba import selective_scan_triton
+
+        return (selective_scan_triton,)
+
+    attempt(["selective_scan_triton"], triton_scan)
     attempt(["selective_scan_fn"], cuda_scan)
     attempt(["selective_state_update"],
             lambda: (_import_mamba_ssm("ops.triton.selective_state_update").selective_state_update,))
@@ -204,15 +214,16 @@ def selective_scan(
     """
     if _kernel_device(u):
         kernels = load_kernels()
-        if h0 is not None and u.shape[1] == 1:
-            if kernels.selective_state_update is not None:
-                return _step_with_kernel(kernels.selective_state_update, u, dt, A, B, C, D, z, h0)
-            _fallback("selective_state_update", "a Mamba decoding step runs in PyTorch", _INSTALL_TRITON_OPS)
-        elif kernels.selective_scan_fn is not None:
+        if h0 is not None and u.shape[1] == 1 and kernels.selective_state_update is not None:
+            return _step_with_kernel(kernels.selective_state_update, u, dt, A, B, C, D, z, h0)
+        if kernels.selective_scan_fn is not None:
             return _scan_with_kernel(kernels.selective_scan_fn, u, dt, A, B, C, D, z, h0)
-        else:
-            _fallback("selective_scan_fn", "the Mamba scan runs in PyTorch, a Python step per token (slow on a GPU)",
-                      _INSTALL_MAMBA)
+        if kernels.selective_scan_triton is not None:
+            logger.info_once("samba-hf: the Mamba scan runs samba-hf's Triton kernel (mamba-ssm's CUDA scan: "
+                             f"{kernels.missing.get('selective_scan_fn')}; to use that one, {_INSTALL_MAMBA})")
+            return kernels.selective_scan_triton(u, dt, A, B, C, D, z, h0)
+        _fallback("selective_scan_triton", "the Mamba scan runs in PyTorch, a Python step per token (slow on a GPU)",
+                  "install triton (torch's CUDA wheels bring it)")
     elif u.device.type == "cpu" and cpu_scan_available():
         return selective_scan_cpu(u, dt, A, B, C, D, z, h0)
     return selective_scan_pytorch(u, dt, A, B, C, D, z, h0)

@@ -1,0 +1,1 @@
+../triton_scan_samba.py
