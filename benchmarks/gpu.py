@@ -20,8 +20,10 @@ without flash-attn (block by block through sdpa) against sdpa over the full caus
 and the speed per key attended. A prefill predicted (from the last length) to take over --cap seconds is skipped, and so
 is everything after --time-limit, each recorded as skipped with why; an out-of-memory is recorded as such.
 
-Which kernels run is whatever this environment has (recorded under "kernels"): run it once with mamba-ssm and
-causal-conv1d importable and once without, as benchmarks/gpu_run.sh does, and --plot the two JSON files together.
+Which kernels samba-hf runs is what this environment has, or less with --kernels (recorded under "kernels");
+transformers' NemotronH decides for itself when it is imported. benchmarks/gpu_run.sh runs it once with mamba-ssm
+and causal-conv1d importable and once without them (--kernels triton: what `pip install` gives); --plot draws the
+JSON files together.
 On a machine without CUDA it says so in one line and exits 1. --smoke runs the same code on tiny models on the CPU
 (tests/test_benchmark_options.py runs it), so that a GPU session never discovers a bug in this file.
 """
@@ -204,11 +206,17 @@ def train_step(model, length: int) -> dict:
 
 def kernels_present() -> dict:
     """What this environment has: each samba-hf kernel, and whether flash-attn imports."""
+    import importlib
     import importlib.util
 
     found = ssm_samba.load_kernels()
     present = {name: getattr(found, name) is not None for name in ssm_samba.Kernels._fields[:-1]}
     present["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
+    try:  # what transformers' NemotronH takes: it imports mamba_ssm (the whole package) when it is imported
+        importlib.import_module("mamba_ssm")
+        present["nemotron_h_mamba_ssm"] = True
+    except Exception:
+        present["nemotron_h_mamba_ssm"] = False
     return present
 
 
@@ -416,6 +424,9 @@ def main(argv=None):
                         help="also decode through generate with a static cache (compiled, CUDA graphs)")
     parser.add_argument("--graphs-max-context", type=int, default=1024,
                         help="contexts up to this decode with graphs too (each context and batch compiles anew)")
+    parser.add_argument("--kernels", choices=("all", "triton", "none"), default="all",
+                        help="samba-hf's kernels in this run: all that are installed; samba-hf's Triton scan alone "
+                             "(what pip install gives); none (PyTorch). NemotronH takes mamba-ssm where it imports")
     parser.add_argument("--label", default=None, help="names this run in the plot (default: from the kernels found)")
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks this script, measures nothing")
@@ -450,9 +461,15 @@ def main(argv=None):
         return 1
     else:
         device = torch.device("cuda")
+    if args.kernels != "all":
+        keep = ("selective_scan_triton",) if args.kernels == "triton" else ()
+        found = ssm_samba.load_kernels()
+        ssm_samba._KERNELS = found._replace(**{name: None for name in ssm_samba.Kernels._fields[:-1]
+                                               if name not in keep})
     if args.label is None:
         found = kernels_present()
-        args.label = "+".join(k for k in ("selective_scan_fn", "causal_conv1d_fn", "flash_attn") if found[k]) or "torch"
+        args.label = "+".join(k for k in ("selective_scan_fn", "causal_conv1d_fn", "selective_scan_triton", "flash_attn")
+                              if found[k]) or "torch"
     measure(args, device)
     return 0
 
