@@ -172,3 +172,76 @@ def test_a_cached_continuation_never_steps_per_token_in_python(monkeypatch):
         chunked = model(ids).logits
     assert (continued - reference[:, 25:]).abs().max() <= 1e-3 * reference.abs().max()
     assert (chunked - reference).abs().max() <= 1e-3 * reference.abs().max()
+
+
+@pytest.fixture
+def triton_scans_only(monkeypatch):
+    """What `pip install samba-hf` gives: samba-hf's Triton scans, none of mamba-ssm's or causal-conv1d's kernels."""
+    if KERNELS.selective_scan_triton is None:
+        pytest.skip(f"samba-hf's Triton scan does not load here: {KERNELS.missing.get('selective_scan_triton')}")
+    own = ("selective_scan_triton", "ssd_scan_triton")
+    monkeypatch.setattr(ssm_samba, "_KERNELS", KERNELS._replace(
+        **{name: None for name in ssm_samba.Kernels._fields[:-1] if name not in own}))
+    monkeypatch.setattr(ssm_samba, "selective_scan_pytorch", lambda *a, **k: pytest.fail("the PyTorch scan ran"))
+    monkeypatch.setattr(ssm_samba, "ssd_scan_pytorch", lambda *a, **k: pytest.fail("the PyTorch SSD ran"))
+
+
+PYTORCH_SCAN, PYTORCH_SSD = ssm_samba.selective_scan_pytorch, ssm_samba.ssd_scan_pytorch  # before any monkeypatch
+
+
+def values_and_gradients(fn, inputs):
+    """fn's outputs and the gradients of a fixed random weighting of them with respect to every tensor input."""
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    y, h = fn(*leaves)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    weights = (torch.rand(y.shape, device="cuda", generator=g) - 0.5, torch.rand(h.shape, device="cuda", generator=g) - 0.5)
+    return (y, h, *torch.autograd.grad((y.float() * weights[0]).sum() + (h * weights[1]).sum(), leaves))
+
+
+def assert_all_close(got, want, tol):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a.float() - b.float()).abs().max() <= tol * max(1.0, b.float().abs().max().item()), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_samba_hfs_triton_scans_match_pytorch_with_gradients(triton_scans_only, dtype):
+    """Mamba's and Mamba-2's scans across the backward's 64-token chunks, from a state: values and every gradient."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    b, L, d, n = 2, 300, 64, 16
+    u, z = (torch.randn(b, L, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    dt = torch.nn.functional.softplus(torch.randn(b, L, d, device="cuda", generator=g) - 2)
+    A = -torch.exp(torch.randn(d, n, device="cuda", generator=g))
+    B, C = (torch.randn(b, L, n, device="cuda", generator=g) for _ in range(2))
+    D, h0 = torch.randn(d, device="cuda", generator=g), torch.randn(b, d, n, device="cuda", generator=g)
+    inputs = (u, dt, A, B, C, D, z, h0)
+    assert_all_close(values_and_gradients(ssm_samba.selective_scan, inputs), values_and_gradients(PYTORCH_SCAN, inputs),
+                     tol)
+    heads, head_dim, groups, n = 8, 16, 2, 32
+    x = torch.randn(b, L, heads, head_dim, device="cuda", generator=g).to(dtype)
+    dt = torch.nn.functional.softplus(torch.randn(b, L, heads, device="cuda", generator=g) - 2)
+    A, D = -torch.exp(torch.randn(heads, device="cuda", generator=g)), torch.randn(heads, device="cuda", generator=g)
+    B, C = (torch.randn(b, L, groups, n, device="cuda", generator=g).to(dtype) for _ in range(2))
+    h0 = torch.randn(b, heads, head_dim, n, device="cuda", generator=g)
+    inputs = (x, dt, A, B, C, D, h0)
+    assert_all_close(values_and_gradients(ssm_samba.ssd_scan, inputs), values_and_gradients(PYTORCH_SSD, inputs), tol)
+
+
+@pytest.mark.parametrize("kind", ["samba", "mamba2"])
+def test_a_model_on_samba_hfs_triton_scans_matches_the_cpu(triton_scans_only, kind):
+    from test_mamba2 import tiny_mamba2
+
+    cpu = tiny_model(seed=4) if kind == "samba" else tiny_mamba2("megatron", seed=7)
+    gpu = (tiny_model(seed=4) if kind == "samba" else tiny_mamba2("megatron", seed=7)).cuda()
+    ids = torch.randint(3, 97, (2, 150))
+    with torch.no_grad():
+        ref = cpu(ids).logits
+        out = gpu(ids.cuda()).logits.cpu()
+    assert (out - ref).abs().max() <= 1e-3 * ref.abs().max()
+    assert torch.equal(_greedy(gpu, ids[:, :10].cuda(), 20).cpu(), _greedy(cpu, ids[:, :10], 20))
+    gpu.train()
+    cpu.train()
+    gpu(ids.cuda(), labels=ids.cuda()).loss.backward()
+    cpu(ids, labels=ids).loss.backward()
+    for (name, a), (_, b) in zip(gpu.named_parameters(), cpu.named_parameters()):
+        assert (a.grad.cpu() - b.grad).abs().max() <= 1e-3 * max(1.0, b.grad.abs().max().item()), name

@@ -68,10 +68,13 @@ def kernels(monkeypatch):
     return only(monkeypatch, PACKAGES)
 
 
+TRITON_ONLY = ("selective_scan_triton", "ssd_scan_triton")  # samba-hf's own
+
+
 @pytest.fixture
 def triton_only(monkeypatch):
-    """What `pip install samba-hf` gives on a GPU: samba-hf's Triton scan, no kernel package."""
-    return only(monkeypatch, ("selective_scan_triton",))
+    """What `pip install samba-hf` gives on a GPU: samba-hf's Triton scans, no kernel package."""
+    return only(monkeypatch, TRITON_ONLY)
 
 
 def forbid_pytorch_scans(monkeypatch):
@@ -173,6 +176,30 @@ def test_samba_hfs_triton_scan_equals_float64_with_its_gradients(triton_only, le
     assert_close(y, y_ref, 1e-5)
     assert_close(h, h_ref, 1e-5)
     for name, grad, want in zip(("u", "dt", "A", "B", "C", "D", "z", "h0"), grads, expected):
+        assert grad.shape == want.shape, name
+        assert_close(grad, want, 1e-4)
+
+
+@pytest.mark.parametrize("length", [1, 21, 70])
+@pytest.mark.parametrize("from_state", [False, True])
+@pytest.mark.parametrize("shape", [
+    dict(heads=6, head_dim=4, groups=3, d_state=5),  # a block of channels spans several groups
+    dict(heads=4, head_dim=16, groups=1, d_state=16),  # every block inside one group
+])
+def test_samba_hfs_triton_ssd_equals_float64_with_its_gradients(triton_only, length, from_state, shape):
+    x, dt, A, B, C, D, h0 = ssd_inputs(length=length, **shape)
+    h0 = h0 if from_state else None
+    leaves = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D)] + ([h0.clone().requires_grad_()] if from_state else [])
+    y, h = ssm_samba.ssd_scan(*leaves[:6], leaves[6] if from_state else None)
+    assert triton_only["ssd_scan_triton"] == 1 and y.shape == x.shape and h.dtype == torch.float32
+    weights = torch.randn_like(y), torch.randn_like(h)
+    grads = torch.autograd.grad((y * weights[0]).sum() + (h * weights[1]).sum(), leaves)
+    reference = [t.detach().double().requires_grad_() for t in leaves]
+    y_ref, h_ref = float64_ssd(*reference[:6], reference[6] if from_state else torch.zeros(h.shape).double())
+    expected = torch.autograd.grad((y_ref * weights[0]).sum() + (h_ref * weights[1]).sum(), reference)
+    assert_close(y, y_ref, 1e-5)
+    assert_close(h, h_ref, 1e-5)
+    for name, grad, want in zip(("x", "dt", "A", "B", "C", "D", "h0"), grads, expected):
         assert grad.shape == want.shape, name
         assert_close(grad, want, 1e-4)
 
@@ -295,9 +322,10 @@ def run_everything(model, ids, prefix):
     ("samba", "triton only", {"selective_scan_triton"}),
     ("mamba2", "packages", {"mamba_chunk_scan_combined", "selective_state_update", "causal_conv1d_fn",
                             "causal_conv1d_update"}),
+    ("mamba2", "triton only", {"ssd_scan_triton"}),
 ])
 def test_a_model_runs_every_kernel_and_equals_the_pytorch_path(monkeypatch, kind, installed, expected):
-    calls = only(monkeypatch, PACKAGES if installed == "packages" else ("selective_scan_triton",))
+    calls = only(monkeypatch, PACKAGES if installed == "packages" else TRITON_ONLY)
     model = tiny_model(seed=3) if kind == "samba" else tiny_mamba2("megatron", seed=5)
     ids = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(1))
     with_kernels = run_everything(model, ids, prefix=9)

@@ -12,8 +12,10 @@
                                                   (`triton_scan_samba.py`: torch and Triton only)
     Mamba one-token step                         mamba-ssm's Triton `selective_state_update`; without it, samba-hf's
                                                   Triton scan
-    Mamba-2 one-token step                       mamba-ssm's Triton `selective_state_update`
-    Mamba-2 (SSD) scan                           mamba-ssm's Triton `mamba_chunk_scan_combined` (takes a state)
+    Mamba-2 one-token step                       mamba-ssm's Triton `selective_state_update`; without it,
+                                                  samba-hf's Triton scan over heads
+    Mamba-2 (SSD) scan                           mamba-ssm's Triton `mamba_chunk_scan_combined` (takes a state);
+                                                  without it, samba-hf's Triton scan over heads
     causal conv                                  causal-conv1d's `causal_conv1d_fn` / `causal_conv1d_update`
                                                  (a plain `nn.Conv1d` only: an adapter-wrapped conv runs as a module)
 
@@ -82,6 +84,7 @@ class Kernels(typing.NamedTuple):
     """The installed kernels samba-hf can call (None where absent), and why each absent one is."""
 
     selective_scan_triton: Callable | None  # samba-hf's own (triton_scan_samba.py): needs only Triton
+    ssd_scan_triton: Callable | None  # the same kernel over Mamba-2's heads
     selective_scan_fn: Callable | None  # mamba-ssm, compiled CUDA (its extension `selective_scan_cuda`)
     selective_state_update: Callable | None  # mamba-ssm, Triton: one token, Mamba-1 and Mamba-2
     mamba_chunk_scan_combined: Callable | None  # mamba-ssm, Triton: Mamba-2's SSD
@@ -142,12 +145,12 @@ def load_kernels() -> Kernels:
 
         return causal_conv1d_fn, causal_conv1d_update
 
-    def triton_scan():
-        from .triton_scan_samba import selective_scan_triton
+    def triton_scans():
+        from .triton_scan_samba import selective_scan_triton, ssd_scan_triton
 
-        return (selective_scan_triton,)
+        return selective_scan_triton, ssd_scan_triton
 
-    attempt(["selective_scan_triton"], triton_scan)
+    attempt(["selective_scan_triton", "ssd_scan_triton"], triton_scans)
     attempt(["selective_scan_fn"], cuda_scan)
     attempt(["selective_state_update"],
             lambda: (_import_mamba_ssm("ops.triton.selective_state_update").selective_state_update,))
@@ -295,8 +298,10 @@ def ssd_scan(
                 dt_softplus=False, return_final_states=True,
             )
             return y.to(x.dtype), last.float()
-        _fallback("mamba_chunk_scan_combined", "the Mamba-2 scan runs in PyTorch, a chunk at a time",
-                  _INSTALL_TRITON_OPS)
+        if kernels.ssd_scan_triton is not None:
+            return kernels.ssd_scan_triton(x, dt, A, B, C, D, h0)
+        _fallback("ssd_scan_triton", "the Mamba-2 scan runs in PyTorch, a chunk at a time",
+                  "install triton (torch's CUDA wheels bring it)")
     return ssd_scan_pytorch(x, dt, A, B, C, D, h0, chunk_size)
 
 

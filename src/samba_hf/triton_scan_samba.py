@@ -1,23 +1,28 @@
-"""The Mamba-1 selective scan in Triton: forward and backward, from a given state, on any CUDA GPU that torch runs
-on (torch's CUDA wheels bring Triton: nothing to compile, nothing else to install).
+"""The selective scan of Mamba and Mamba-2 in Triton: forward and backward, from a given state, on any CUDA GPU that
+torch runs on (torch's CUDA wheels bring Triton: nothing to compile, nothing else to install).
 
-    h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t * u_t        (per channel d, state n; A < 0)
+    h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t * u_t        (per channel d and state n; A < 0)
     y_t = (<h_t, C_t> + D * u_t) * silu(z_t)
+
+Mamba: every channel has its own dt and its own row of A; B and C are shared by all channels. Mamba-2 (SSD) is the
+same recurrence over heads * head_dim channels where a head's channels share one dt, one A (for every state) and
+one D, and a group of heads shares B and C (`ssd_scan_triton`; no z, the mixer gates in its norm).
 
 One program per (sequence, block of BLOCK_D channels) walks the sequence in order, holding its channels' states
 (BLOCK_D x d_state, float32) in registers: no (tokens x channels x states) tensor is ever built, and the inputs are
-read in their (batch, seq, channels) layout, a contiguous run of BLOCK_D channels per token. A zero step (dt = 0,
-padding) leaves the state as it was. The same kernel with one token is the decoding step.
+read in the mixers' (batch, seq, channels) layout. A zero step (dt = 0, padding) leaves the state as it was. The
+same kernel with one token is the decoding step.
 
 For the backward the forward also keeps the state before every CHUNK-th token (`checkpoints`, batch x
-tokens/CHUNK x d_inner x d_state: 1/CHUNK of what a naive backward keeps). The backward walks the chunks from the
-last: it recomputes a chunk's states from its checkpoint into a scratch buffer of CHUNK + 1 states per program
-(bounded, whatever the length), then steps back through them, carrying the gradient of the state.
+tokens/CHUNK x channels x d_state: 1/CHUNK of what a naive backward keeps). The backward walks the chunks from the
+last: it recomputes a chunk's states from its checkpoint into a scratch of CHUNK + 1 states per program (bounded,
+whatever the length), then steps back through them carrying the gradient of the state. The gradients of B and C,
+sums over channels, are added across programs atomically (float32).
 
-`selective_scan_triton` is the entry point (differentiable); `ssm_samba.selective_scan` calls it on CUDA where
-mamba-ssm's CUDA scan is not installed. Its reference is `ssm_samba.selective_scan_pytorch` (the same recurrence,
-stepped per token in PyTorch); tests/test_kernels.py checks both against a float64 recurrence under Triton's
-interpreter. Imported only on CUDA (or under the interpreter): this file needs Triton.
+`ssm_samba.selective_scan` / `ssd_scan` call these on CUDA where mamba-ssm's kernels are not installed. Their
+references are `ssm_samba.selective_scan_pytorch` and `ssd_scan_pytorch`; tests/test_kernels.py checks all of them
+against float64 recurrences under Triton's interpreter. Imported only on CUDA (or under the interpreter): this file
+needs Triton.
 """
 
 import torch
@@ -29,15 +34,39 @@ except ImportError:  # pragma: no cover - ssm_samba imports this file only where
     triton = tl = None
 
 CHUNK = 64  # tokens between the forward's checkpoints, and the backward's recompute length
-BLOCK_D = 32  # channels per program
+
+
+@triton.jit
+def _load_row(ptr, b, t, d, d_ok, stride_b, stride_t, HEAD_DIM: tl.constexpr):
+    """(BLOCK_D,) values of token t for the block's channels, from a (batch, seq, channels / HEAD_DIM) tensor."""
+    return tl.load(ptr + b * stride_b + t * stride_t + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_state_row(ptr, b, t, group, n, d_ok, n_ok, stride_b, stride_t, stride_g, ONE_GROUP: tl.constexpr):
+    """B_t or C_t for the block's channels: (1, BLOCK_N) when they share a group, else (BLOCK_D, BLOCK_N)."""
+    row = ptr + b * stride_b + t * stride_t
+    if ONE_GROUP:
+        return tl.load(row + group * stride_g + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return tl.load(row + group[:, None] * stride_g + n[None, :], mask=d_ok[:, None] & n_ok[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _decay(dt, A, A_PER_HEAD: tl.constexpr):
+    """exp(dt A): (BLOCK_D, 1) when A is one number per channel (Mamba-2's heads), else (BLOCK_D, BLOCK_N)."""
+    if A_PER_HEAD:
+        return tl.exp(dt * A)[:, None]
+    return tl.exp(dt[:, None] * A)
 
 
 @triton.jit
 def _scan_forward(
     u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, h0_ptr, y_ptr, h_ptr, checkpoints_ptr,
-    seq_len, d_inner, d_state,
-    stride_u_b, stride_u_t, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_C_b, stride_C_t,
-    stride_z_b, stride_z_t, stride_y_b, stride_y_t,
+    seq_len, d_inner, d_state, channels_per_group,
+    stride_u_b, stride_u_t, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+    stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_y_b, stride_y_t,
+    HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_H0: tl.constexpr, KEEP_CHECKPOINTS: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -46,11 +75,15 @@ def _scan_forward(
     n = tl.arange(0, BLOCK_N)
     d_ok, n_ok = d < d_inner, n < d_state
     dn_ok = d_ok[:, None] & n_ok[None, :]
-    dn = d[:, None] * d_state + n[None, :]  # offsets in a (d_inner, d_state) matrix
-    A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
+    dn = d[:, None] * d_state + n[None, :]  # offsets in a (channels, d_state) matrix
+    group = (tl.program_id(1) * BLOCK_D) // channels_per_group if ONE_GROUP else d // channels_per_group
+    if A_PER_HEAD:
+        A = tl.load(A_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
+    else:
+        A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
     if HAS_D:
-        D = tl.load(D_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-    state_offset = b * d_inner * d_state + dn  # (batch, d_inner, d_state) tensors
+        D = tl.load(D_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
+    state_offset = b * d_inner * d_state + dn  # (batch, channels, d_state) tensors
     if HAS_H0:
         h = tl.load(h0_ptr + state_offset, mask=dn_ok, other=0.0).to(tl.float32)
     else:
@@ -60,16 +93,16 @@ def _scan_forward(
         if KEEP_CHECKPOINTS:
             tl.store(checkpoints_ptr + (b * chunks + c) * d_inner * d_state + dn, h, mask=dn_ok)
         for t in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, seq_len)):
-            u = tl.load(u_ptr + b * stride_u_b + t * stride_u_t + d, mask=d_ok, other=0.0).to(tl.float32)
-            dt = tl.load(dt_ptr + b * stride_dt_b + t * stride_dt_t + d, mask=d_ok, other=0.0).to(tl.float32)
-            B = tl.load(B_ptr + b * stride_B_b + t * stride_B_t + n, mask=n_ok, other=0.0).to(tl.float32)
-            C = tl.load(C_ptr + b * stride_C_b + t * stride_C_t + n, mask=n_ok, other=0.0).to(tl.float32)
-            h = tl.exp(dt[:, None] * A) * h + (dt * u)[:, None] * B[None, :]
-            y = tl.sum(h * C[None, :], axis=1)
+            u = _load_row(u_ptr, b, t, d, d_ok, stride_u_b, stride_u_t, 1)
+            dt = _load_row(dt_ptr, b, t, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
+            B = _load_state_row(B_ptr, b, t, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g, ONE_GROUP)
+            C = _load_state_row(C_ptr, b, t, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP)
+            h = _decay(dt, A, A_PER_HEAD) * h + (dt * u)[:, None] * B
+            y = tl.sum(h * C, axis=1)
             if HAS_D:
                 y += D * u
             if HAS_Z:
-                z = tl.load(z_ptr + b * stride_z_b + t * stride_z_t + d, mask=d_ok, other=0.0).to(tl.float32)
+                z = _load_row(z_ptr, b, t, d, d_ok, stride_z_b, stride_z_t, 1)
                 y *= z * tl.sigmoid(z)
             tl.store(y_ptr + b * stride_y_b + t * stride_y_t + d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
     tl.store(h_ptr + state_offset, h, mask=dn_ok)
@@ -79,15 +112,16 @@ def _scan_forward(
 def _scan_backward(
     u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, checkpoints_ptr, scratch_ptr, grad_y_ptr, grad_h_ptr,
     grad_u_ptr, grad_dt_ptr, grad_A_ptr, grad_B_ptr, grad_C_ptr, grad_D_ptr, grad_z_ptr, grad_h0_ptr,
-    batch, seq_len, d_inner, d_state,
-    stride_u_b, stride_u_t, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_C_b, stride_C_t,
-    stride_z_b, stride_z_t, stride_gy_b, stride_gy_t, stride_g_b, stride_g_t,
+    seq_len, d_inner, d_state, channels_per_group, groups,
+    stride_u_b, stride_u_t, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+    stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_gy_b, stride_gy_t, stride_g_b, stride_g_t,
+    HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_GRAD_H: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Gradients, per program (sequence b, channel block): u, dt, z, h0 its own entries; A, D partial sums per
-    sequence, (batch, d_inner, d_state) and (batch, d_inner); B, C partial sums per channel block, (blocks, batch,
-    seq, d_state). The caller sums the partials."""
+    """Gradients, per program (sequence b, channel block): u, dt (per channel), z, h0: its own entries; A, D: per
+    sequence and channel, (batch, channels, d_state or 1) and (batch, channels), summed by the caller; B, C: added
+    atomically into (batch, seq, groups, d_state)."""
     b = tl.program_id(0)
     block = tl.program_id(1)
     d = block * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -96,18 +130,21 @@ def _scan_backward(
     dn_ok = d_ok[:, None] & n_ok[None, :]
     dn = d[:, None] * d_state + n[None, :]
     local = tl.arange(0, BLOCK_D)[:, None] * BLOCK_N + n[None, :]  # offsets in this program's scratch states
-    A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
+    group = (block * BLOCK_D) // channels_per_group if ONE_GROUP else d // channels_per_group
+    if A_PER_HEAD:
+        A = tl.load(A_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
+        grad_A = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    else:
+        A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
+        grad_A = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
     if HAS_D:
-        D = tl.load(D_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        D = tl.load(D_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
     state_offset = b * d_inner * d_state + dn
-    programs = tl.num_programs(1)
-    scratch = scratch_ptr + (b * programs + block) * (CHUNK + 1) * BLOCK_D * BLOCK_N
-    partial_BC = (block * batch + b) * seq_len * d_state  # this program's rows of grad_B / grad_C
+    scratch = scratch_ptr + (b * tl.num_programs(1) + block) * (CHUNK + 1) * BLOCK_D * BLOCK_N
     if HAS_GRAD_H:
         carry = tl.load(grad_h_ptr + state_offset, mask=dn_ok, other=0.0).to(tl.float32)
     else:
         carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-    grad_A = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
     grad_D = tl.zeros((BLOCK_D,), dtype=tl.float32)
     chunks = tl.cdiv(seq_len, CHUNK)
     for reverse in range(0, chunks):
@@ -118,24 +155,24 @@ def _scan_backward(
         h = tl.load(checkpoints_ptr + (b * chunks + c) * d_inner * d_state + dn, mask=dn_ok, other=0.0)
         tl.store(scratch + local, h)
         for t in range(start, end):
-            u = tl.load(u_ptr + b * stride_u_b + t * stride_u_t + d, mask=d_ok, other=0.0).to(tl.float32)
-            dt = tl.load(dt_ptr + b * stride_dt_b + t * stride_dt_t + d, mask=d_ok, other=0.0).to(tl.float32)
-            B = tl.load(B_ptr + b * stride_B_b + t * stride_B_t + n, mask=n_ok, other=0.0).to(tl.float32)
-            h = tl.exp(dt[:, None] * A) * h + (dt * u)[:, None] * B[None, :]
+            u = _load_row(u_ptr, b, t, d, d_ok, stride_u_b, stride_u_t, 1)
+            dt = _load_row(dt_ptr, b, t, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
+            B = _load_state_row(B_ptr, b, t, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g, ONE_GROUP)
+            h = _decay(dt, A, A_PER_HEAD) * h + (dt * u)[:, None] * B
             tl.store(scratch + (t - start + 1) * BLOCK_D * BLOCK_N + local, h)
         tl.debug_barrier()
         for k in range(0, end - start):
             t = end - 1 - k
-            u = tl.load(u_ptr + b * stride_u_b + t * stride_u_t + d, mask=d_ok, other=0.0).to(tl.float32)
-            dt = tl.load(dt_ptr + b * stride_dt_b + t * stride_dt_t + d, mask=d_ok, other=0.0).to(tl.float32)
-            B = tl.load(B_ptr + b * stride_B_b + t * stride_B_t + n, mask=n_ok, other=0.0).to(tl.float32)
-            C = tl.load(C_ptr + b * stride_C_b + t * stride_C_t + n, mask=n_ok, other=0.0).to(tl.float32)
-            grad = tl.load(grad_y_ptr + b * stride_gy_b + t * stride_gy_t + d, mask=d_ok, other=0.0).to(tl.float32)
+            u = _load_row(u_ptr, b, t, d, d_ok, stride_u_b, stride_u_t, 1)
+            dt = _load_row(dt_ptr, b, t, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
+            B = _load_state_row(B_ptr, b, t, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g, ONE_GROUP)
+            C = _load_state_row(C_ptr, b, t, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP)
+            grad = _load_row(grad_y_ptr, b, t, d, d_ok, stride_gy_b, stride_gy_t, 1)
             h = tl.load(scratch + (t - start + 1) * BLOCK_D * BLOCK_N + local)  # h_t
             h_before = tl.load(scratch + (t - start) * BLOCK_D * BLOCK_N + local)  # h_{t-1}
             if HAS_Z:  # y = s * silu(z), s the output before the gate
-                z = tl.load(z_ptr + b * stride_z_b + t * stride_z_t + d, mask=d_ok, other=0.0).to(tl.float32)
-                s = tl.sum(h * C[None, :], axis=1)
+                z = _load_row(z_ptr, b, t, d, d_ok, stride_z_b, stride_z_t, 1)
+                s = tl.sum(h * C, axis=1)
                 if HAS_D:
                     s += D * u
                 sig = tl.sigmoid(z)
@@ -144,94 +181,138 @@ def _scan_backward(
                 grad = grad * z * sig  # the gradient of s
             if HAS_D:
                 grad_D += grad * u
-            tl.store(grad_C_ptr + partial_BC + t * d_state + n,
-                     tl.sum(tl.where(dn_ok, h * grad[:, None], 0.0), axis=0), mask=n_ok)
-            carry += grad[:, None] * C[None, :]  # the gradient of h_t
-            decay = tl.exp(dt[:, None] * A)
+            _add_over_channels(grad_C_ptr, tl.where(dn_ok, h * grad[:, None], 0.0), b, t, group, n, d_ok, n_ok,
+                               seq_len, groups, d_state, ONE_GROUP)
+            carry += grad[:, None] * C  # the gradient of h_t
+            decay = _decay(dt, A, A_PER_HEAD)
             from_decay = tl.where(dn_ok, carry * decay * h_before, 0.0)  # d/d(dt A) of decay * h_{t-1}
-            grad_A += from_decay * dt[:, None]
-            grad_u = tl.sum(tl.where(dn_ok, carry * B[None, :], 0.0), axis=1) * dt
-            grad_dt = tl.sum(from_decay * A + tl.where(dn_ok, carry * B[None, :], 0.0) * u[:, None], axis=1)
+            into_state = tl.where(dn_ok, carry * B, 0.0)
+            if A_PER_HEAD:
+                grad_A += tl.sum(from_decay, axis=1) * dt
+                grad_dt = tl.sum(from_decay, axis=1) * A + tl.sum(into_state, axis=1) * u
+            else:
+                grad_A += from_decay * dt[:, None]
+                grad_dt = tl.sum(from_decay * A + into_state * u[:, None], axis=1)
+            grad_u = tl.sum(into_state, axis=1) * dt
             if HAS_D:
                 grad_u += grad * D
             tl.store(grad_u_ptr + b * stride_g_b + t * stride_g_t + d, grad_u, mask=d_ok)
             tl.store(grad_dt_ptr + b * stride_g_b + t * stride_g_t + d, grad_dt, mask=d_ok)
-            tl.store(grad_B_ptr + partial_BC + t * d_state + n,
-                     tl.sum(tl.where(dn_ok, carry * (dt * u)[:, None], 0.0), axis=0), mask=n_ok)
+            _add_over_channels(grad_B_ptr, tl.where(dn_ok, carry * (dt * u)[:, None], 0.0), b, t, group, n, d_ok,
+                               n_ok, seq_len, groups, d_state, ONE_GROUP)
             carry = carry * decay
         tl.debug_barrier()
     tl.store(grad_h0_ptr + state_offset, carry, mask=dn_ok)
-    tl.store(grad_A_ptr + b * d_inner * d_state + dn, grad_A, mask=dn_ok)
+    if A_PER_HEAD:
+        tl.store(grad_A_ptr + b * d_inner + d, grad_A, mask=d_ok)
+    else:
+        tl.store(grad_A_ptr + b * d_inner * d_state + dn, grad_A, mask=dn_ok)
     if HAS_D:
         tl.store(grad_D_ptr + b * d_inner + d, grad_D, mask=d_ok)
 
 
-def _forward(u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
-    """y (u's dtype), the last state and the checkpoints (float32; None unless keep_checkpoints)."""
+@triton.jit
+def _add_over_channels(grad_ptr, values, b, t, group, n, d_ok, n_ok, seq_len, groups, d_state,
+                       ONE_GROUP: tl.constexpr):
+    """grad[b, t, group(channel), :] += values[channel, :] for the block's channels ((batch, seq, groups, d_state))."""
+    row = grad_ptr + ((b * seq_len + t) * groups) * d_state
+    if ONE_GROUP:
+        tl.atomic_add(row + group * d_state + n, tl.sum(values, axis=0), mask=n_ok)
+    else:
+        tl.atomic_add(row + group[:, None] * d_state + n[None, :], values, mask=d_ok[:, None] & n_ok[None, :])
+
+
+class _Layout:
+    """How channels map onto heads and groups: Mamba (head_dim 1: every channel its own dt and A row; one group)
+    or Mamba-2 (heads of head_dim channels sharing dt, A and D; groups of heads sharing B and C)."""
+
+    def __init__(self, d_inner, d_state, head_dim, groups, a_per_head):
+        self.d_inner, self.d_state, self.head_dim, self.groups = d_inner, d_state, head_dim, groups
+        self.a_per_head = a_per_head
+        self.channels_per_group = d_inner // groups
+        self.block_n = triton.next_power_of_2(d_state)
+        # channels per program: the state block (block_d x block_n) stays at most 2048 floats in registers
+        self.block_d = max(1, min(32, 2048 // self.block_n, triton.next_power_of_2(d_inner)))
+        self.one_group = groups == 1 or self.channels_per_group % self.block_d == 0
+        self.blocks = triton.cdiv(d_inner, self.block_d)
+
+    def constants(self):
+        return dict(HEAD_DIM=self.head_dim, A_PER_HEAD=self.a_per_head, ONE_GROUP=self.one_group, CHUNK=CHUNK,
+                    BLOCK_D=self.block_d, BLOCK_N=self.block_n)
+
+
+def _strides(x, n):
+    return x.stride()[:n] if x is not None else (0,) * n
+
+
+def _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
+    """y (u's dtype), the last state and the checkpoints (float32; None unless keep_checkpoints). u, z (batch, seq,
+    channels); dt (batch, seq, channels / head_dim); B, C (batch, seq, groups, d_state)."""
     batch, seq_len, d_inner = u.shape
-    d_state = A.shape[1]
     y = torch.empty_like(u)
-    h = u.new_empty(batch, d_inner, d_state, dtype=torch.float32)
+    h = u.new_empty(batch, d_inner, layout.d_state, dtype=torch.float32)
     chunks = triton.cdiv(seq_len, CHUNK)
-    checkpoints = u.new_empty(batch, chunks, d_inner, d_state, dtype=torch.float32) if keep_checkpoints else None
-    grid = (batch, triton.cdiv(d_inner, BLOCK_D))
-    _scan_forward[grid](
-        u, dt, A, B, C, D, z, h0, y, h, checkpoints, seq_len, d_inner, d_state,
-        u.stride(0), u.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        *(z.stride()[:2] if z is not None else (0, 0)), y.stride(0), y.stride(1),
+    checkpoints = (u.new_empty(batch, chunks, d_inner, layout.d_state, dtype=torch.float32) if keep_checkpoints
+                   else None)
+    _scan_forward[(batch, layout.blocks)](
+        u, dt, A, B, C, D, z, h0, y, h, checkpoints, seq_len, d_inner, layout.d_state, layout.channels_per_group,
+        *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2), *_strides(y, 2),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_H0=h0 is not None, KEEP_CHECKPOINTS=keep_checkpoints,
-        CHUNK=CHUNK, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state),
+        **layout.constants(),
     )
     return y, h, checkpoints
 
 
 class _TritonScan(torch.autograd.Function):
     """The Triton scan with its backward. Inputs contiguous in their last dimension; A, D, h0 float32; D, z and h0
-    may be None."""
+    may be None. Returns y and the last state (batch, channels, d_state)."""
 
     @staticmethod
-    def forward(ctx, u, dt, A, B, C, D, z, h0):
-        y, h, checkpoints = _forward(u, dt, A, B, C, D, z, h0, keep_checkpoints=True)
+    def forward(ctx, layout, u, dt, A, B, C, D, z, h0):
+        y, h, checkpoints = _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints=True)
+        ctx.layout = layout
         ctx.save_for_backward(u, dt, A, B, C, D, z, checkpoints)
         return y, h
 
     @staticmethod
     def backward(ctx, grad_y, grad_h):
+        layout = ctx.layout
         u, dt, A, B, C, D, z, checkpoints = ctx.saved_tensors
-        (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
-        blocks = triton.cdiv(d_inner, BLOCK_D)
-        block_n = triton.next_power_of_2(d_state)
+        (batch, seq_len, d_inner), d_state = u.shape, layout.d_state
         grad_y = grad_y.contiguous()
         f32 = dict(dtype=torch.float32, device=u.device)
-        grad_u, grad_dt = torch.empty(u.shape, **f32), torch.empty(u.shape, **f32)
+        grad_u, grad_dt = torch.empty(u.shape, **f32), torch.empty(u.shape, **f32)  # grad_dt per channel
         grad_z = torch.empty(u.shape, **f32) if z is not None else None
-        grad_A = torch.empty(batch, d_inner, d_state, **f32)
+        grad_A = torch.empty(batch, d_inner, *(() if layout.a_per_head else (d_state,)), **f32)
         grad_D = torch.empty(batch, d_inner, **f32) if D is not None else None
-        grad_B = torch.empty(blocks, batch, seq_len, d_state, **f32)
-        grad_C = torch.empty(blocks, batch, seq_len, d_state, **f32)
+        grad_B = torch.zeros(batch, seq_len, layout.groups, d_state, **f32)
+        grad_C = torch.zeros(batch, seq_len, layout.groups, d_state, **f32)
         grad_h0 = torch.empty(batch, d_inner, d_state, **f32)
-        scratch = torch.empty(batch * blocks * (CHUNK + 1) * BLOCK_D * block_n, **f32)
-        _scan_backward[(batch, blocks)](
-            u, dt, A, B, C, D, z, checkpoints, scratch, grad_y, grad_h if grad_h is not None else None,
+        scratch = torch.empty(batch * layout.blocks * (CHUNK + 1) * layout.block_d * layout.block_n, **f32)
+        _scan_backward[(batch, layout.blocks)](
+            u, dt, A, B, C, D, z, checkpoints, scratch, grad_y, grad_h,
             grad_u, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0,
-            batch, seq_len, d_inner, d_state,
-            u.stride(0), u.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-            *(z.stride()[:2] if z is not None else (0, 0)), grad_y.stride(0), grad_y.stride(1),
-            grad_u.stride(0), grad_u.stride(1),  # grad_u, grad_dt and grad_z: contiguous, (batch, seq, d_inner)
-            HAS_D=D is not None, HAS_Z=z is not None, HAS_GRAD_H=grad_h is not None,
-            CHUNK=CHUNK, BLOCK_D=BLOCK_D, BLOCK_N=block_n,
+            seq_len, d_inner, d_state, layout.channels_per_group, layout.groups,
+            *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2),
+            *_strides(grad_y, 2), *_strides(grad_u, 2),  # grad_u, grad_dt and grad_z: contiguous (batch, seq, channels)
+            HAS_D=D is not None, HAS_Z=z is not None, HAS_GRAD_H=grad_h is not None, **layout.constants(),
         )
-        grads = (grad_u.to(u.dtype), grad_dt.to(dt.dtype), grad_A.sum(0), grad_B.sum(0).to(B.dtype),
-                 grad_C.sum(0).to(C.dtype), None if D is None else grad_D.sum(0),
-                 None if z is None else grad_z.to(z.dtype), grad_h0)
-        return tuple(grad if need else None for grad, need in zip(grads, ctx.needs_input_grad))
+        heads = d_inner // layout.head_dim
+        per_head = (batch, seq_len, heads, layout.head_dim)
+        grads = (
+            grad_u.to(u.dtype),
+            grad_dt.view(per_head).sum(-1).to(dt.dtype),  # a head's channels share its dt
+            grad_A.sum(0).view(heads, -1).sum(-1) if layout.a_per_head else grad_A.sum(0),
+            grad_B.view(B.shape).to(B.dtype),
+            grad_C.view(C.shape).to(C.dtype),
+            None if D is None else grad_D.sum(0).view(heads, layout.head_dim).sum(-1),
+            None if z is None else grad_z.to(z.dtype),
+            grad_h0,
+        )
+        return (None, *(grad if need else None for grad, need in zip(grads, ctx.needs_input_grad[1:])))
 
 
-def selective_scan_triton(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scan on a CUDA tensor (same arguments and results as `ssm_samba.selective_scan_pytorch`): u, dt, z
-    (batch, seq, d_inner); A (d_inner, d_state), <= 0; B, C (batch, seq, d_state); D (d_inner,); h0
-    (batch, d_inner, d_state). y comes back in u's dtype, the last state in float32; differentiable."""
-
+def _run(layout, u, dt, A, B, C, D, z, h0):
     def rows(x):  # contiguous along the last dimension, as the kernels read it
         return None if x is None else (x if x.stride(-1) == 1 else x.contiguous())
 
@@ -241,6 +322,27 @@ def selective_scan_triton(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torc
     h0 = None if h0 is None else h0.float().contiguous()
     inputs = (u, dt, A, B, C, D, z, h0)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
-        return _TritonScan.apply(*inputs)
-    y, h, _ = _forward(*inputs, keep_checkpoints=False)
+        return _TritonScan.apply(layout, *inputs)
+    y, h, _ = _forward(layout, *inputs, keep_checkpoints=False)
     return y, h
+
+
+def selective_scan_triton(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba's scan on a CUDA tensor (the arguments and results of `ssm_samba.selective_scan_pytorch`): u, dt, z
+    (batch, seq, d_inner); A (d_inner, d_state), <= 0; B, C (batch, seq, d_state); D (d_inner,); h0
+    (batch, d_inner, d_state). y comes back in u's dtype, the last state in float32; differentiable."""
+    d_inner, d_state = A.shape
+    layout = _Layout(d_inner, d_state, head_dim=1, groups=1, a_per_head=False)
+    return _run(layout, u, dt, A, B[:, :, None], C[:, :, None], D, z, h0)
+
+
+def ssd_scan_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's scan on a CUDA tensor (the arguments and results of `ssm_samba.ssd_scan_pytorch`, less the chunk
+    size): x (batch, seq, heads, head_dim); dt (batch, seq, heads); A, D (heads,); B, C (batch, seq, groups,
+    d_state); h0 (batch, heads, head_dim, d_state). y in x's dtype, the last state in float32; differentiable."""
+    batch, seq_len, heads, head_dim = x.shape
+    groups, d_state = B.shape[2:]
+    layout = _Layout(heads * head_dim, d_state, head_dim=head_dim, groups=groups, a_per_head=True)
+    h0 = None if h0 is None else h0.reshape(batch, heads * head_dim, d_state)
+    y, h = _run(layout, x.reshape(batch, seq_len, heads * head_dim), dt, A, B, C, D, None, h0)
+    return y.view(x.shape), h.view(batch, heads, head_dim, d_state)
