@@ -204,6 +204,36 @@ def test_samba_hfs_triton_ssd_equals_float64_with_its_gradients(triton_only, len
         assert_close(grad, want, 1e-4)
 
 
+@pytest.mark.parametrize("length", [40, 101])
+@pytest.mark.parametrize("from_state", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_inference_scan_runs_in_segments_joined_exactly(triton_only, monkeypatch, length, from_state, dtype):
+    """Inference on a long sequence: segments scanned at once from zero, then joined (the starting state of each
+    from the ends of those before, its contribution added): the same as one pass, for Mamba and Mamba-2."""
+    from samba_hf import triton_scan_samba
+
+    monkeypatch.setattr(triton_scan_samba, "MIN_SEGMENT", 8)  # tiny segments, so that tiny inputs have several
+    monkeypatch.setattr(triton_scan_samba, "PROGRAMS_PER_SM", 64)
+    segments = []
+    real = triton_scan_samba._segments
+    monkeypatch.setattr(triton_scan_samba, "_segments", lambda *a: segments.append(real(*a)) or segments[-1])
+    u, dt, A, B, C, D, z, h0 = scan_inputs(length=length, dtype=dtype)
+    h0 = h0 if from_state else None
+    with torch.no_grad():
+        y, h = ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)
+    y_ref, h_ref = float64_recurrence(u, dt, A, B, C, D, z, torch.zeros(2, 40, 5) if h0 is None else h0)
+    assert_close(y, y_ref, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert_close(h, h_ref, 1e-5)
+    x, dt, A, B, C, D, h0 = ssd_inputs(length=length)
+    h0 = h0 if from_state else None
+    with torch.no_grad():
+        y, h = ssm_samba.ssd_scan(x.to(dtype), dt, A, B, C, D, h0)
+    y_ref, h_ref = float64_ssd(x.to(dtype), dt, A, B, C, D, torch.zeros(h.shape) if h0 is None else h0)
+    assert_close(y, y_ref, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert_close(h, h_ref, 1e-5)
+    assert len(segments) == 2 and min(segments) >= 4, segments
+
+
 def test_samba_hfs_triton_scan_in_bfloat16_and_over_padding(triton_only):
     """bf16 inputs (float32 state, y in bf16); a zero step leaves the state as it was (padding)."""
     u, dt, A, B, C, D, z, h0 = scan_inputs(length=20, dtype=torch.bfloat16)

@@ -62,16 +62,21 @@ def _decay(dt, A, A_PER_HEAD: tl.constexpr):
 
 @triton.jit
 def _scan_forward(
-    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, h0_ptr, y_ptr, h_ptr, checkpoints_ptr,
-    seq_len, d_inner, d_state, channels_per_group,
+    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, h0_ptr, y_ptr, h_ptr, checkpoints_ptr, elapsed_ptr,
+    seq_len, d_inner, d_state, channels_per_group, segment_len,
     stride_u_b, stride_u_t, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_y_b, stride_y_t,
     HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_H0: tl.constexpr, KEEP_CHECKPOINTS: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SEGMENTED: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Program (sequence b, channel block, segment s) scans tokens [s * segment_len, (s + 1) * segment_len), from h0
+    in the first segment and from zero in the others (`_join_segments` and `_correct_segments` then add what the
+    true starting state contributes), and leaves its last state in h[b, s] (h: (batch, segments, channels,
+    d_state)) and, SEGMENTED, the sum of its steps in elapsed[b, s] ((batch, segments, channels))."""
     b = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    segment = tl.program_id(2)
     n = tl.arange(0, BLOCK_N)
     d_ok, n_ok = d < d_inner, n < d_state
     dn_ok = d_ok[:, None] & n_ok[None, :]
@@ -83,21 +88,24 @@ def _scan_forward(
         A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
     if HAS_D:
         D = tl.load(D_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
-    state_offset = b * d_inner * d_state + dn  # (batch, channels, d_state) tensors
-    if HAS_H0:
-        h = tl.load(h0_ptr + state_offset, mask=dn_ok, other=0.0).to(tl.float32)
-    else:
-        h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
-    chunks = tl.cdiv(seq_len, CHUNK)
-    for c in range(0, chunks):
-        if KEEP_CHECKPOINTS:
-            tl.store(checkpoints_ptr + (b * chunks + c) * d_inner * d_state + dn, h, mask=dn_ok)
-        for t in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, seq_len)):
+    h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    if HAS_H0:  # (batch, channels, d_state); only the first segment starts from it
+        if segment == 0:
+            h = tl.load(h0_ptr + b * d_inner * d_state + dn, mask=dn_ok, other=0.0).to(tl.float32)
+    elapsed = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    start = segment * segment_len
+    end = tl.minimum(start + segment_len, seq_len)
+    for c in range(0, tl.cdiv(end - start, CHUNK)):
+        if KEEP_CHECKPOINTS:  # (batch, chunks, channels, d_state); one segment only
+            tl.store(checkpoints_ptr + (b * tl.cdiv(seq_len, CHUNK) + c) * d_inner * d_state + dn, h, mask=dn_ok)
+        for t in range(start + c * CHUNK, tl.minimum(start + c * CHUNK + CHUNK, end)):
             u = _load_row(u_ptr, b, t, d, d_ok, stride_u_b, stride_u_t, 1)
             dt = _load_row(dt_ptr, b, t, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
             B = _load_state_row(B_ptr, b, t, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g, ONE_GROUP)
             C = _load_state_row(C_ptr, b, t, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP)
             h = _decay(dt, A, A_PER_HEAD) * h + (dt * u)[:, None] * B
+            if SEGMENTED:
+                elapsed += dt
             y = tl.sum(h * C, axis=1)
             if HAS_D:
                 y += D * u
@@ -105,7 +113,74 @@ def _scan_forward(
                 z = _load_row(z_ptr, b, t, d, d_ok, stride_z_b, stride_z_t, 1)
                 y *= z * tl.sigmoid(z)
             tl.store(y_ptr + b * stride_y_b + t * stride_y_t + d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
-    tl.store(h_ptr + state_offset, h, mask=dn_ok)
+    segments = tl.num_programs(2)
+    tl.store(h_ptr + (b * segments + segment) * d_inner * d_state + dn, h, mask=dn_ok)
+    if SEGMENTED:
+        tl.store(elapsed_ptr + (b * segments + segment) * d_inner + d, elapsed, mask=d_ok)
+
+
+@triton.jit
+def _join_segments(
+    A_ptr, ends_ptr, elapsed_ptr, starts_ptr, h_ptr, segments, d_inner, d_state,
+    HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The true state at each segment's start, in order: start[s] = exp(A elapsed[s-1]) start[s-1] + end[s-1] (the
+    recurrence is linear in the state), into starts (batch, segments, channels, d_state); the last state into h."""
+    b = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    d_ok, n_ok = d < d_inner, n < d_state
+    dn_ok = d_ok[:, None] & n_ok[None, :]
+    dn = d[:, None] * d_state + n[None, :]
+    if A_PER_HEAD:
+        A = tl.load(A_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
+    else:
+        A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
+    state = tl.load(ends_ptr + b * segments * d_inner * d_state + dn, mask=dn_ok, other=0.0)
+    for s in range(1, segments):
+        tl.store(starts_ptr + (b * segments + s) * d_inner * d_state + dn, state, mask=dn_ok)
+        elapsed = tl.load(elapsed_ptr + (b * segments + s) * d_inner + d, mask=d_ok, other=0.0)
+        local_end = tl.load(ends_ptr + (b * segments + s) * d_inner * d_state + dn, mask=dn_ok, other=0.0)
+        state = _decay(elapsed, A, A_PER_HEAD) * state + local_end
+    tl.store(h_ptr + b * d_inner * d_state + dn, state, mask=dn_ok)
+
+
+@triton.jit
+def _correct_segments(
+    dt_ptr, A_ptr, C_ptr, z_ptr, starts_ptr, y_ptr,
+    seq_len, d_inner, d_state, channels_per_group, segment_len,
+    stride_dt_b, stride_dt_t, stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_y_b, stride_y_t,
+    HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_Z: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """y_t += <g_t, C_t> (gated) over segment s + 1, where g starts at the segment's true starting state and decays
+    as the state does (g_t = exp(dt_t A) g_{t-1}): what that state adds to the zero-start scan of `_scan_forward`."""
+    b = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    segment = tl.program_id(2) + 1
+    n = tl.arange(0, BLOCK_N)
+    d_ok, n_ok = d < d_inner, n < d_state
+    dn_ok = d_ok[:, None] & n_ok[None, :]
+    dn = d[:, None] * d_state + n[None, :]
+    group = (tl.program_id(1) * BLOCK_D) // channels_per_group if ONE_GROUP else d // channels_per_group
+    if A_PER_HEAD:
+        A = tl.load(A_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
+    else:
+        A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
+    segments = tl.num_programs(2) + 1
+    g = tl.load(starts_ptr + (b * segments + segment) * d_inner * d_state + dn, mask=dn_ok, other=0.0)
+    start = segment * segment_len
+    for t in range(start, tl.minimum(start + segment_len, seq_len)):
+        dt = _load_row(dt_ptr, b, t, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
+        C = _load_state_row(C_ptr, b, t, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP)
+        g = _decay(dt, A, A_PER_HEAD) * g
+        correction = tl.sum(g * C, axis=1)
+        if HAS_Z:
+            z = _load_row(z_ptr, b, t, d, d_ok, stride_z_b, stride_z_t, 1)
+            correction *= z * tl.sigmoid(z)
+        y_at = y_ptr + b * stride_y_b + t * stride_y_t + d
+        y = tl.load(y_at, mask=d_ok, other=0.0).to(tl.float32) + correction
+        tl.store(y_at, y.to(y_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -245,22 +320,55 @@ def _strides(x, n):
     return x.stride()[:n] if x is not None else (0,) * n
 
 
+# Segments: for inference, a long sequence is cut into segments scanned at once from zero, then joined (the time
+# parallelism a sequential scan lacks: with few sequences and channel blocks, most of the GPU would wait). Each
+# segment at least MIN_SEGMENT tokens; about PROGRAMS_PER_SM programs per multiprocessor in all.
+MIN_SEGMENT = 256
+PROGRAMS_PER_SM = 8
+
+
+def _segments(layout, batch: int, seq_len: int, device: torch.device) -> int:
+    if seq_len < 2 * MIN_SEGMENT:
+        return 1
+    processors = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = -(-PROGRAMS_PER_SM * processors // (batch * layout.blocks))
+    return max(1, min(wanted, seq_len // MIN_SEGMENT))
+
+
 def _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
     """y (u's dtype), the last state and the checkpoints (float32; None unless keep_checkpoints). u, z (batch, seq,
     channels); dt (batch, seq, channels / head_dim); B, C (batch, seq, groups, d_state)."""
     batch, seq_len, d_inner = u.shape
-    y = torch.empty_like(u)
-    h = u.new_empty(batch, d_inner, layout.d_state, dtype=torch.float32)
-    chunks = triton.cdiv(seq_len, CHUNK)
-    checkpoints = (u.new_empty(batch, chunks, d_inner, layout.d_state, dtype=torch.float32) if keep_checkpoints
-                   else None)
-    _scan_forward[(batch, layout.blocks)](
-        u, dt, A, B, C, D, z, h0, y, h, checkpoints, seq_len, d_inner, layout.d_state, layout.channels_per_group,
+    d_state = layout.d_state
+    segments = 1 if keep_checkpoints else _segments(layout, batch, seq_len, u.device)
+    segment_len = -(-seq_len // segments)
+    segments = max(1, -(-seq_len // segment_len))
+    # segments: y in float32 until the correction is added, so that a half-precision y is rounded once
+    y = torch.empty_like(u, dtype=torch.float32 if segments > 1 else u.dtype)
+    ends = u.new_empty(batch, segments, d_inner, d_state, dtype=torch.float32)
+    elapsed = u.new_empty(batch, segments, d_inner, dtype=torch.float32) if segments > 1 else None
+    checkpoints = (u.new_empty(batch, triton.cdiv(seq_len, CHUNK), d_inner, d_state, dtype=torch.float32)
+                   if keep_checkpoints else None)
+    _scan_forward[(batch, layout.blocks, segments)](
+        u, dt, A, B, C, D, z, h0, y, ends, checkpoints, elapsed,
+        seq_len, d_inner, d_state, layout.channels_per_group, segment_len,
         *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2), *_strides(y, 2),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_H0=h0 is not None, KEEP_CHECKPOINTS=keep_checkpoints,
-        **layout.constants(),
+        SEGMENTED=segments > 1, **layout.constants(),
     )
-    return y, h, checkpoints
+    if segments == 1:
+        return y, ends[:, 0], checkpoints
+    h = u.new_empty(batch, d_inner, d_state, dtype=torch.float32)
+    starts = torch.empty_like(ends)
+    constants = dict(HEAD_DIM=layout.head_dim, A_PER_HEAD=layout.a_per_head, BLOCK_D=layout.block_d,
+                     BLOCK_N=layout.block_n)
+    _join_segments[(batch, layout.blocks)](A, ends, elapsed, starts, h, segments, d_inner, d_state, **constants)
+    _correct_segments[(batch, layout.blocks, segments - 1)](
+        dt, A, C, z, starts, y, seq_len, d_inner, d_state, layout.channels_per_group, segment_len,
+        *_strides(dt, 2), *_strides(C, 3), *_strides(z, 2), *_strides(y, 2),
+        ONE_GROUP=layout.one_group, HAS_Z=z is not None, **constants,
+    )
+    return y.to(u.dtype), h, None
 
 
 class _TritonScan(torch.autograd.Function):
