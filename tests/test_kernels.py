@@ -370,6 +370,37 @@ def test_a_model_runs_every_kernel_and_equals_the_pytorch_path(monkeypatch, kind
         assert_close(with_kernels[1][name], reference[1][name], 1e-3)
 
 
+@pytest.mark.parametrize("kind", ["samba", "mamba2"])
+def test_the_compiled_decoding_step_runs_the_triton_scan_as_one_operator(monkeypatch, kind):
+    """transformers' static cache and compile_config (fullgraph: one graph per step, CUDA graphs on a GPU) with
+    samba-hf's Triton scans alone: the scan is the operator torch.ops.samba_hf.scan_triton in the graph, and the
+    tokens equal eager decoding's."""
+    from test_generation import compiled_generate_equals_eager
+
+    monkeypatch.setattr(ssm_samba, "_KERNELS", None)
+    loaded = ssm_samba.load_kernels()
+    monkeypatch.setattr(ssm_samba, "_KERNELS", loaded._replace(**{name: None for name in PACKAGES}))
+    forbid_pytorch_scans(monkeypatch)
+    model = tiny_model(seed=11) if kind == "samba" else tiny_mamba2("megatron", seed=11)
+    with torch.profiler.profile() as profile:
+        compiled_generate_equals_eager(model, vocab=97)
+    ran = {event.key: event.count for event in profile.key_averages()}
+    assert ran.get("samba_hf::scan_triton", 0) > 0, sorted(ran)[:40]
+
+
+@pytest.mark.parametrize("keep_checkpoints", [False, True])
+def test_the_triton_scan_operator_passes_opcheck(keep_checkpoints):
+    """The operator's schema, its fake (shapes for tracing) and its autograd registration, by torch's own check."""
+    from samba_hf import triton_scan_samba  # noqa: F401  (registers the operator)
+
+    u, dt, A, B, C, D, z, h0 = scan_inputs(length=9)
+    B, C = B[:, :, None].contiguous(), C[:, :, None].contiguous()  # (batch, seq, groups, d_state)
+    if keep_checkpoints:  # what a gradient needs
+        u, dt, B, h0 = (t.requires_grad_() for t in (u, dt, B, h0))
+    args = (u, dt, A, B, C, D, z, h0, 1, 1, False, keep_checkpoints)
+    torch.library.opcheck(torch.ops.samba_hf.scan_triton.default, args)
+
+
 def test_a_bfloat16_model_decodes_with_the_kernels(kernels, monkeypatch):
     model = tiny_model(seed=3).to(torch.bfloat16)
     ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(2))

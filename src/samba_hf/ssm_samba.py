@@ -162,7 +162,10 @@ def load_kernels() -> Kernels:
 
 
 def _fallback(kernel: str, runs: str, install: str):
-    """Say once that `kernel` is not there, what runs instead, and what to install."""
+    """Say once that `kernel` is not there, what runs instead, and what to install (not while torch.compile traces:
+    the eager call before it has said it)."""
+    if torch.compiler.is_compiling():
+        return
     reason = load_kernels().missing.get(kernel, "not installed")
     logger.warning_once(f"samba-hf: {kernel} is unavailable ({reason}); {runs}. For the fast path, {install}.")
 
@@ -222,8 +225,9 @@ def selective_scan(
         if kernels.selective_scan_fn is not None:
             return _scan_with_kernel(kernels.selective_scan_fn, u, dt, A, B, C, D, z, h0)
         if kernels.selective_scan_triton is not None:
-            logger.info_once("samba-hf: the Mamba scan runs samba-hf's Triton kernel (mamba-ssm's CUDA scan: "
-                             f"{kernels.missing.get('selective_scan_fn')}; to use that one, {_INSTALL_MAMBA})")
+            if not torch.compiler.is_compiling():
+                logger.info_once("samba-hf: the Mamba scan runs samba-hf's Triton kernel (mamba-ssm's CUDA scan: "
+                                 f"{kernels.missing.get('selective_scan_fn')}; to use that one, {_INSTALL_MAMBA})")
             return kernels.selective_scan_triton(u, dt, A, B, C, D, z, h0)
         _fallback("selective_scan_triton", "the Mamba scan runs in PyTorch, a Python step per token (slow on a GPU)",
                   "install triton (torch's CUDA wheels bring it)")

@@ -25,6 +25,8 @@ against float64 recurrences under Triton's interpreter. Imported only on CUDA (o
 needs Triton.
 """
 
+import typing
+
 import torch
 
 try:  # (transformers' remote-code loader reads imports outside try blocks as requirements: a CPU needs no Triton)
@@ -371,9 +373,44 @@ def _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
     return y.to(u.dtype), h, None
 
 
+def _backward(layout, u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h):
+    """The gradients of (u, dt, A, B, C, D, z, h0); those of D and z are None where they were not given."""
+    (batch, seq_len, d_inner), d_state = u.shape, layout.d_state
+    grad_y = grad_y.contiguous()  # autograd may hand an expanded (stride-0) gradient
+    grad_h = None if grad_h is None else grad_h.float().contiguous()
+    f32 = dict(dtype=torch.float32, device=u.device)
+    grad_u, grad_dt = torch.empty(u.shape, **f32), torch.empty(u.shape, **f32)  # grad_dt per channel
+    grad_z = torch.empty(u.shape, **f32) if z is not None else None
+    grad_A = torch.empty(batch, d_inner, *(() if layout.a_per_head else (d_state,)), **f32)
+    grad_D = torch.empty(batch, d_inner, **f32) if D is not None else None
+    grad_B = torch.zeros(batch, seq_len, layout.groups, d_state, **f32)
+    grad_C = torch.zeros(batch, seq_len, layout.groups, d_state, **f32)
+    grad_h0 = torch.empty(batch, d_inner, d_state, **f32)
+    scratch = torch.empty(batch * layout.blocks * (CHUNK + 1) * layout.block_d * layout.block_n, **f32)
+    _scan_backward[(batch, layout.blocks)](
+        u, dt, A, B, C, D, z, checkpoints, scratch, grad_y, grad_h,
+        grad_u, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0,
+        seq_len, d_inner, d_state, layout.channels_per_group, layout.groups,
+        *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2),
+        *_strides(grad_y, 2), *_strides(grad_u, 2),  # grad_u, grad_dt and grad_z: contiguous (batch, seq, channels)
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_GRAD_H=grad_h is not None, **layout.constants(),
+    )
+    heads = d_inner // layout.head_dim
+    return (
+        grad_u.to(u.dtype),
+        grad_dt.view(batch, seq_len, heads, layout.head_dim).sum(-1).to(dt.dtype),  # a head's channels share its dt
+        grad_A.sum(0).view(heads, -1).sum(-1) if layout.a_per_head else grad_A.sum(0),
+        grad_B.view(B.shape).to(B.dtype),
+        grad_C.view(C.shape).to(C.dtype),
+        None if D is None else grad_D.sum(0).view(heads, layout.head_dim).sum(-1),
+        None if z is None else grad_z.to(z.dtype),
+        grad_h0,
+    )
+
+
 class _TritonScan(torch.autograd.Function):
-    """The Triton scan with its backward. Inputs contiguous in their last dimension; A, D, h0 float32; D, z and h0
-    may be None. Returns y and the last state (batch, channels, d_state)."""
+    """The Triton scan with its backward, in eager mode. Inputs contiguous in their last dimension; A, D, h0
+    float32; D, z and h0 may be None. Returns y and the last state (batch, channels, d_state)."""
 
     @staticmethod
     def forward(ctx, layout, u, dt, A, B, C, D, z, h0):
@@ -384,40 +421,70 @@ class _TritonScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_h):
-        layout = ctx.layout
-        u, dt, A, B, C, D, z, checkpoints = ctx.saved_tensors
-        (batch, seq_len, d_inner), d_state = u.shape, layout.d_state
-        grad_y = grad_y.contiguous()
-        f32 = dict(dtype=torch.float32, device=u.device)
-        grad_u, grad_dt = torch.empty(u.shape, **f32), torch.empty(u.shape, **f32)  # grad_dt per channel
-        grad_z = torch.empty(u.shape, **f32) if z is not None else None
-        grad_A = torch.empty(batch, d_inner, *(() if layout.a_per_head else (d_state,)), **f32)
-        grad_D = torch.empty(batch, d_inner, **f32) if D is not None else None
-        grad_B = torch.zeros(batch, seq_len, layout.groups, d_state, **f32)
-        grad_C = torch.zeros(batch, seq_len, layout.groups, d_state, **f32)
-        grad_h0 = torch.empty(batch, d_inner, d_state, **f32)
-        scratch = torch.empty(batch * layout.blocks * (CHUNK + 1) * layout.block_d * layout.block_n, **f32)
-        _scan_backward[(batch, layout.blocks)](
-            u, dt, A, B, C, D, z, checkpoints, scratch, grad_y, grad_h,
-            grad_u, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0,
-            seq_len, d_inner, d_state, layout.channels_per_group, layout.groups,
-            *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2),
-            *_strides(grad_y, 2), *_strides(grad_u, 2),  # grad_u, grad_dt and grad_z: contiguous (batch, seq, channels)
-            HAS_D=D is not None, HAS_Z=z is not None, HAS_GRAD_H=grad_h is not None, **layout.constants(),
-        )
-        heads = d_inner // layout.head_dim
-        per_head = (batch, seq_len, heads, layout.head_dim)
-        grads = (
-            grad_u.to(u.dtype),
-            grad_dt.view(per_head).sum(-1).to(dt.dtype),  # a head's channels share its dt
-            grad_A.sum(0).view(heads, -1).sum(-1) if layout.a_per_head else grad_A.sum(0),
-            grad_B.view(B.shape).to(B.dtype),
-            grad_C.view(C.shape).to(C.dtype),
-            None if D is None else grad_D.sum(0).view(heads, layout.head_dim).sum(-1),
-            None if z is None else grad_z.to(z.dtype),
-            grad_h0,
-        )
+        grads = _backward(ctx.layout, *ctx.saved_tensors, grad_y, grad_h)
         return (None, *(grad if need else None for grad, need in zip(grads, ctx.needs_input_grad[1:])))
+
+
+def _operator():
+    """The scan as a torch operator, `torch.ops.samba_hf.scan_triton`, with a backward, which `torch.compile` keeps
+    as one call (and CUDA graphs capture): the decoding step compiled with transformers' static cache runs it.
+    Registered once per process: a second copy of this file (a saved model's remote code) finds it registered and
+    uses it. Returns (y, last state, checkpoints); the checkpoints are empty unless `keep_checkpoints`."""
+    namespace = torch.ops.samba_hf
+    if hasattr(namespace, "scan_triton"):
+        return namespace.scan_triton
+    Tensor, OptionalTensor = torch.Tensor, typing.Optional[torch.Tensor]
+
+    @torch.library.custom_op("samba_hf::scan_triton", mutates_args=())
+    def scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: OptionalTensor, z: OptionalTensor,
+             h0: OptionalTensor, head_dim: int, groups: int, a_per_head: bool,
+             keep_checkpoints: bool) -> tuple[Tensor, Tensor, Tensor]:
+        layout = _Layout(u.shape[-1], B.shape[-1], head_dim, groups, a_per_head)
+        y, h, checkpoints = _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints)
+        return y, h.clone() if h._base is not None else h, checkpoints if keep_checkpoints else u.new_empty(0)
+
+    @scan.register_fake
+    def _(u, dt, A, B, C, D, z, h0, head_dim, groups, a_per_head, keep_checkpoints):
+        batch, seq_len, d_inner = u.shape
+        d_state = B.shape[-1]
+        checkpoints = (batch, -(-seq_len // CHUNK), d_inner, d_state) if keep_checkpoints else (0,)
+        return (u.new_empty(u.shape), u.new_empty(batch, d_inner, d_state, dtype=torch.float32),
+                u.new_empty(checkpoints, dtype=torch.float32))
+
+    @torch.library.custom_op("samba_hf::scan_triton_backward", mutates_args=())
+    def scan_backward(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: OptionalTensor,
+                      z: OptionalTensor, checkpoints: Tensor, grad_y: Tensor, grad_h: OptionalTensor, head_dim: int,
+                      groups: int, a_per_head: bool) -> list[Tensor]:
+        layout = _Layout(u.shape[-1], B.shape[-1], head_dim, groups, a_per_head)
+        if checkpoints.numel() == 0:  # the forward kept none (reading them would read past the empty tensor)
+            raise RuntimeError("samba_hf::scan_triton was run with keep_checkpoints=False: nothing to differentiate; "
+                               "call it with keep_checkpoints=True where gradients are needed")
+        grads = _backward(layout, u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h)
+        return [u.new_empty(0) if grad is None else grad for grad in grads]  # an operator returns no None
+
+    @scan_backward.register_fake
+    def _(u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h, head_dim, groups, a_per_head):
+        absent = u.new_empty(0)
+        return [u.new_empty(u.shape), dt.new_empty(dt.shape), A.new_empty(A.shape), B.new_empty(B.shape),
+                C.new_empty(C.shape), absent if D is None else D.new_empty(D.shape),
+                absent if z is None else z.new_empty(z.shape),
+                u.new_empty(u.shape[0], u.shape[-1], B.shape[-1], dtype=torch.float32)]
+
+    def setup_context(ctx, inputs, output):
+        u, dt, A, B, C, D, z, h0, head_dim, groups, a_per_head, _ = inputs
+        ctx.save_for_backward(u, dt, A, B, C, D, z, output[2])
+        ctx.layout_args = (head_dim, groups, a_per_head)
+        ctx.absent = (False,) * 5 + (D is None, z is None, h0 is None)
+
+    def backward(ctx, grad_y, grad_h, _):
+        grads = scan_backward(*ctx.saved_tensors, grad_y, grad_h, *ctx.layout_args)
+        return *(None if absent else grad for grad, absent in zip(grads, ctx.absent)), None, None, None, None
+
+    scan.register_autograd(backward, setup_context=setup_context)
+    return scan
+
+
+_OPERATOR = _operator()
 
 
 def _run(layout, u, dt, A, B, C, D, z, h0):
@@ -429,6 +496,9 @@ def _run(layout, u, dt, A, B, C, D, z, h0):
     D = None if D is None else D.float().contiguous()
     h0 = None if h0 is None else h0.float().contiguous()
     inputs = (u, dt, A, B, C, D, z, h0)
+    if torch.compiler.is_compiling():
+        y, h, _ = _OPERATOR(*inputs, layout.head_dim, layout.groups, layout.a_per_head, torch.is_grad_enabled())
+        return y, h
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
         return _TritonScan.apply(layout, *inputs)
     y, h, _ = _forward(layout, *inputs, keep_checkpoints=False)
