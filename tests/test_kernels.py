@@ -371,15 +371,17 @@ def test_a_model_runs_every_kernel_and_equals_the_pytorch_path(monkeypatch, kind
 
 
 @pytest.mark.parametrize("kind", ["samba", "mamba2"])
-def test_the_compiled_decoding_step_runs_the_triton_scan_as_one_operator(monkeypatch, kind):
-    """transformers' static cache and compile_config (fullgraph: one graph per step, CUDA graphs on a GPU) with
-    samba-hf's Triton scans alone: the scan is the operator torch.ops.samba_hf.scan_triton in the graph, and the
-    tokens equal eager decoding's."""
+@pytest.mark.parametrize("installed", ["triton only", "packages too"])
+def test_the_compiled_decoding_step_runs_the_triton_scan_as_one_operator(monkeypatch, kind, installed):
+    """transformers' static cache and compile_config (fullgraph: one graph per step, CUDA graphs on a GPU): the scan
+    in the graph is the operator torch.ops.samba_hf.scan_triton, even where mamba-ssm is installed (its kernels are
+    no operators), and the tokens equal eager decoding's."""
     from test_generation import compiled_generate_equals_eager
 
     monkeypatch.setattr(ssm_samba, "_KERNELS", None)
     loaded = ssm_samba.load_kernels()
-    monkeypatch.setattr(ssm_samba, "_KERNELS", loaded._replace(**{name: None for name in PACKAGES}))
+    if installed == "triton only":
+        monkeypatch.setattr(ssm_samba, "_KERNELS", loaded._replace(**{name: None for name in PACKAGES}))
     forbid_pytorch_scans(monkeypatch)
     model = tiny_model(seed=11) if kind == "samba" else tiny_mamba2("megatron", seed=11)
     with torch.profiler.profile() as profile:

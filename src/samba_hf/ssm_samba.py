@@ -19,7 +19,9 @@
     causal conv                                  causal-conv1d's `causal_conv1d_fn` / `causal_conv1d_update`
                                                  (a plain `nn.Conv1d` only: an adapter-wrapped conv runs as a module)
 
-Each fallback to PyTorch on a CUDA tensor is logged once, naming what runs instead and what to install. mamba-ssm's
+Each fallback to PyTorch on a CUDA tensor is logged once, naming what runs instead and what to install. Under
+torch.compile the scans are samba-hf's Triton operators whatever else is installed (mamba-ssm's kernels are not torch
+operators, and a compiled decoding step must be one graph to run in CUDA graphs). mamba-ssm's
 Triton ops are imported without running the package's `__init__` (which needs its compiled extension and the
 Mamba-3 modules), so an install made without compiling (`MAMBA_SKIP_CUDA_BUILD=TRUE`) still gives them.
 
@@ -164,10 +166,15 @@ def load_kernels() -> Kernels:
 def _fallback(kernel: str, runs: str, install: str):
     """Say once that `kernel` is not there, what runs instead, and what to install (not while torch.compile traces:
     the eager call before it has said it)."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return
     reason = load_kernels().missing.get(kernel, "not installed")
     logger.warning_once(f"samba-hf: {kernel} is unavailable ({reason}); {runs}. For the fast path, {install}.")
+
+
+def compiling() -> bool:
+    """Whether torch.compile is tracing this call (its graphs take only torch operators, and no logging)."""
+    return torch.compiler.is_compiling()
 
 
 def _kernel_device(tensor: torch.Tensor) -> bool:
@@ -220,12 +227,14 @@ def selective_scan(
     """
     if _kernel_device(u):
         kernels = load_kernels()
-        if h0 is not None and u.shape[1] == 1 and kernels.selective_state_update is not None:
+        # mamba-ssm's kernels are not torch operators: under torch.compile (a decoding step in CUDA graphs) the graph
+        # would break around them, so it takes samba-hf's Triton scan, which is one (`torch.ops.samba_hf.scan_triton`)
+        if h0 is not None and u.shape[1] == 1 and kernels.selective_state_update is not None and not compiling():
             return _step_with_kernel(kernels.selective_state_update, u, dt, A, B, C, D, z, h0)
-        if kernels.selective_scan_fn is not None:
+        if kernels.selective_scan_fn is not None and not compiling():
             return _scan_with_kernel(kernels.selective_scan_fn, u, dt, A, B, C, D, z, h0)
         if kernels.selective_scan_triton is not None:
-            if not torch.compiler.is_compiling():
+            if not compiling():
                 logger.info_once("samba-hf: the Mamba scan runs samba-hf's Triton kernel (mamba-ssm's CUDA scan: "
                                  f"{kernels.missing.get('selective_scan_fn')}; to use that one, {_INSTALL_MAMBA})")
             return kernels.selective_scan_triton(u, dt, A, B, C, D, z, h0)
@@ -292,9 +301,9 @@ def ssd_scan(
     """
     if _kernel_device(x):
         kernels = load_kernels()
-        if x.shape[1] == 1 and h0 is not None and kernels.selective_state_update is not None:
+        if x.shape[1] == 1 and h0 is not None and kernels.selective_state_update is not None and not compiling():
             return _ssd_step_with_kernel(kernels.selective_state_update, x, dt, A, B, C, D, h0)
-        if kernels.mamba_chunk_scan_combined is not None:
+        if kernels.mamba_chunk_scan_combined is not None and not compiling():  # (see selective_scan)
             # dt stays float32 (the kernels read it so; a bf16 copy would round every step)
             y, last = kernels.mamba_chunk_scan_combined(
                 x, dt.float(), A.float(), B.to(x.dtype), C.to(x.dtype), chunk_size,
