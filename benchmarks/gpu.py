@@ -13,12 +13,13 @@ Models (random weights, bf16; speed does not depend on the weights):
 Measured: prefill (one forward, `logits_to_keep=1`, no cache) at --prefill lengths, tokens/s; decode tokens/s at
 --decode contexts, batch 1 and --batch, from a cache filled with random states and keys/values of that context (a
 step's time does not depend on them), eager (the model called step by step, as generate's loop does) and, with
---graphs, through `generate(cache_implementation="static")` with transformers' compile (CUDA graphs where it
-compiles) at contexts up to --graphs-max-context (each context and batch compiles anew); a training step (forward and backward, batch 1) at
---train tokens/s; peak GPU memory of each. First, Samba-1.3B's sliding-window attention alone as samba-hf computes it
-without flash-attn (block by block through sdpa) against sdpa over the full causal prompt, up to 32K: linear time,
-and the speed per key attended. A prefill predicted (from the last length) to take over --cap seconds is skipped, and so
-is everything after --time-limit, each recorded as skipped with why; an out-of-memory is recorded as such.
+--graphs, through `generate(cache_implementation="static")` with transformers' compile (CUDA graphs where it compiles)
+at contexts up to --graphs-max-context (each context and batch compiles anew); a training step (forward and backward,
+batch 1) at --train tokens/s; peak GPU memory of each. First, Samba-1.3B's sliding-window attention alone as samba-hf
+computes it without flash-attn (block by block through sdpa) against sdpa over the full causal prompt, up to 32K:
+linear time, and the speed per key attended. A prefill predicted (from the last length) to take over --cap seconds is
+skipped, and so is everything after --time-limit, each recorded as skipped with why; an out-of-memory is recorded as
+such.
 
 Which kernels samba-hf runs is what this environment has, or less with --kernels (recorded under "kernels");
 transformers' NemotronH decides for itself when it is imported. benchmarks/gpu_run.sh runs it once with mamba-ssm
@@ -269,7 +270,8 @@ def decode_phase(args, name, model, row):
         for batch in sorted({1, args.batch}):
             why = skip_reason(args)
             entry = row["decode"].setdefault(f"{context}x{batch}", {})
-            entry["eager"] = {"skipped": why} if why else attempt(lambda: decode_eager(model, context, batch, args.steps))
+            entry["eager"] = ({"skipped": why} if why
+                              else attempt(lambda: decode_eager(model, context, batch, args.steps)))
             report(name, f"decode {context}x{batch} eager", entry["eager"])
 
 
@@ -429,8 +431,10 @@ def main(argv=None):
                              "(what pip install gives); none (PyTorch). NemotronH takes mamba-ssm where it imports")
     parser.add_argument("--label", default=None, help="names this run in the plot (default: from the kernels found)")
     parser.add_argument("--out", default=None, help="write the JSON here")
-    parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks this script, measures nothing")
-    parser.add_argument("--plot", nargs="+", default=None, help="JSON files of earlier runs: draw them, measure nothing")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny models on the CPU: checks this script, measures nothing")
+    parser.add_argument("--plot", nargs="+", default=None,
+                        help="JSON files of earlier runs: draw them, measure nothing")
     parser.add_argument("--plot-out", default="out/gpu/figure2.png")
     args = parser.parse_args(argv)
     if args.plot:
@@ -468,8 +472,8 @@ def main(argv=None):
                                                if name not in keep})
     if args.label is None:
         found = kernels_present()
-        args.label = "+".join(k for k in ("selective_scan_fn", "causal_conv1d_fn", "selective_scan_triton", "flash_attn")
-                              if found[k]) or "torch"
+        shown = ("selective_scan_fn", "causal_conv1d_fn", "selective_scan_triton", "flash_attn")
+        args.label = "+".join(k for k in shown if found[k]) or "torch"
     measure(args, device)
     return 0
 

@@ -487,6 +487,27 @@ def test_mamba_ssms_main_branch_without_its_extension_runs_samba_hfs_triton_scan
     assert_close(y, float64_recurrence(u, dt, A, B, C, D, z, h0)[0], 1e-5)
 
 
+def test_a_triton_scan_that_fails_its_check_is_left_out(monkeypatch, caplog):
+    """load_kernels runs samba-hf's Triton scan once on a few numbers against the PyTorch scan: one that answers
+    otherwise (a GPU or Triton release it compiles wrongly for) is left out with the reason, and the fallback says
+    it."""
+    from samba_hf import triton_scan_samba
+
+    real = triton_scan_samba.selective_scan_triton
+    monkeypatch.setattr(triton_scan_samba, "selective_scan_triton", lambda *a: tuple(t * 1.01 for t in real(*a)))
+    monkeypatch.setattr(ssm_samba, "_KERNELS", None)
+    loaded = ssm_samba.load_kernels()
+    assert loaded.selective_scan_triton is None and loaded.ssd_scan_triton is None
+    assert "other numbers than the PyTorch scan on cpu" in loaded.missing["selective_scan_triton"]
+    monkeypatch.setattr(ssm_samba, "_KERNELS", loaded._replace(**{name: None for name in PACKAGES}))
+    logging.Logger.warning_once.cache_clear()
+    u, dt, A, B, C, D, z, h0 = scan_inputs()
+    with caplog.at_level(logging.WARNING):
+        y, _ = ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)
+    assert any("other numbers" in r.getMessage() for r in caplog.records)
+    assert_close(y, float64_recurrence(u, dt, A, B, C, D, z, h0)[0], 1e-5)
+
+
 def test_without_any_kernel_the_fallback_is_said_once(monkeypatch, caplog):
     """No Triton scan either (no triton): one warning that names what runs and what to install, then PyTorch."""
     monkeypatch.setattr(ssm_samba, "_KERNELS", ssm_samba.Kernels(

@@ -150,6 +150,8 @@ def load_kernels() -> Kernels:
     def triton_scans():
         from .triton_scan_samba import selective_scan_triton, ssd_scan_triton
 
+        if INTERPRET_KERNELS or torch.cuda.is_available():
+            _check_scan(selective_scan_triton, "cpu" if INTERPRET_KERNELS else "cuda")
         return selective_scan_triton, ssd_scan_triton
 
     attempt(["selective_scan_triton", "ssd_scan_triton"], triton_scans)
@@ -161,6 +163,20 @@ def load_kernels() -> Kernels:
     attempt(["causal_conv1d_fn", "causal_conv1d_update"], conv)
     _KERNELS = Kernels(**{name: found.get(name) for name in Kernels._fields[:-1]}, missing=missing)
     return _KERNELS
+
+
+def _check_scan(scan, device: str):
+    """Run samba-hf's Triton scan once on a few numbers against the PyTorch scan: on a GPU (or Triton release) it
+    cannot compile for, or compiles wrongly for, it is then left out (and the fallback said once) instead of failing
+    or answering wrongly. Raises a RuntimeError saying which."""
+    g = torch.Generator(device=device).manual_seed(0)
+    u, dt, B, C = (torch.rand(1, 3, 4, device=device, generator=g) for _ in range(4))
+    A, h0 = -torch.rand(4, 4, device=device, generator=g), torch.rand(1, 4, 4, device=device, generator=g)
+    y, h = scan(u, dt, A, B, C, None, None, h0)
+    y_ref, h_ref = selective_scan_pytorch(u, dt, A, B, C, None, None, h0)
+    if not (torch.allclose(y, y_ref, atol=1e-4) and torch.allclose(h, h_ref, atol=1e-4)):
+        where = torch.cuda.get_device_name() if device == "cuda" else device
+        raise RuntimeError(f"it gives other numbers than the PyTorch scan on {where}")
 
 
 def _fallback(kernel: str, runs: str, install: str):

@@ -13,13 +13,20 @@ One program per (sequence, block of BLOCK_D channels) walks the sequence in orde
 read in the mixers' (batch, seq, channels) layout. A zero step (dt = 0, padding) leaves the state as it was. The
 same kernel with one token is the decoding step.
 
+With few sequences and channel blocks that leaves most of a GPU waiting on one long walk, so for inference a long
+sequence is cut into segments scanned at once from zero, then joined exactly: `_join_segments` finds each
+segment's true starting state from the ends of those before it (the recurrence is linear in the state), and
+`_correct_segments` adds what that state contributes to the segment's outputs.
+
 For the backward the forward also keeps the state before every CHUNK-th token (`checkpoints`, batch x
 tokens/CHUNK x channels x d_state: 1/CHUNK of what a naive backward keeps). The backward walks the chunks from the
 last: it recomputes a chunk's states from its checkpoint into a scratch of CHUNK + 1 states per program (bounded,
 whatever the length), then steps back through them carrying the gradient of the state. The gradients of B and C,
 sums over channels, are added across programs atomically (float32).
 
-`ssm_samba.selective_scan` / `ssd_scan` call these on CUDA where mamba-ssm's kernels are not installed. Their
+Under torch.compile the scan is the operator `torch.ops.samba_hf.scan_triton` (`_operator`), so a compiled decoding
+step stays one graph (CUDA graphs). `ssm_samba.selective_scan` / `ssd_scan` call these on CUDA where mamba-ssm's
+kernels are not installed, and always under torch.compile. Their
 references are `ssm_samba.selective_scan_pytorch` and `ssd_scan_pytorch`; tests/test_kernels.py checks all of them
 against float64 recurrences under Triton's interpreter. Imported only on CUDA (or under the interpreter): this file
 needs Triton.
