@@ -99,7 +99,6 @@ _KERNELS: Kernels | None = None
 
 _INSTALL_MAMBA = ("install mamba-ssm with its CUDA extension (MAMBA_FORCE_BUILD=TRUE pip install mamba-ssm "
                   "--no-build-isolation; from its main branch also MAMBA_KEEP_CUDA_BUILD=TRUE)")
-_INSTALL_TRITON_OPS = "install mamba-ssm (pip install mamba-ssm --no-build-isolation; its Triton kernels need triton)"
 _INSTALL_CONV = "install causal-conv1d (CAUSAL_CONV1D_FORCE_BUILD=TRUE pip install causal-conv1d --no-build-isolation)"
 
 

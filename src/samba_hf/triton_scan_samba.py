@@ -62,6 +62,22 @@ def _load_state_row(ptr, b, t, group, n, d_ok, n_ok, stride_b, stride_t, stride_
 
 
 @triton.jit
+def _group(block, d, channels_per_group, BLOCK_D: tl.constexpr, ONE_GROUP: tl.constexpr):
+    """The group (of B and C) of the block's channels: one number when they share it, else one per channel."""
+    if ONE_GROUP:
+        return (block * BLOCK_D) // channels_per_group
+    return d // channels_per_group
+
+
+@triton.jit
+def _load_A(A_ptr, d, dn, d_ok, dn_ok, HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr):
+    """The block's decay rates: one per channel (its head's) when A_PER_HEAD, else a (BLOCK_D, BLOCK_N) row each."""
+    if A_PER_HEAD:
+        return tl.load(A_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
+    return tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _decay(dt, A, A_PER_HEAD: tl.constexpr):
     """exp(dt A): (BLOCK_D, 1) when A is one number per channel (Mamba-2's heads), else (BLOCK_D, BLOCK_N)."""
     if A_PER_HEAD:
@@ -83,18 +99,15 @@ def _scan_forward(
     in the first segment and from zero in the others (`_join_segments` and `_correct_segments` then add what the
     true starting state contributes), and leaves its last state in h[b, s] (h: (batch, segments, channels,
     d_state)) and, SEGMENTED, the sum of its steps in elapsed[b, s] ((batch, segments, channels))."""
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a batch of long sequences passes 2**31 elements
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     segment = tl.program_id(2)
     n = tl.arange(0, BLOCK_N)
     d_ok, n_ok = d < d_inner, n < d_state
     dn_ok = d_ok[:, None] & n_ok[None, :]
     dn = d[:, None] * d_state + n[None, :]  # offsets in a (channels, d_state) matrix
-    group = (tl.program_id(1) * BLOCK_D) // channels_per_group if ONE_GROUP else d // channels_per_group
-    if A_PER_HEAD:
-        A = tl.load(A_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
-    else:
-        A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
+    group = _group(tl.program_id(1), d, channels_per_group, BLOCK_D, ONE_GROUP)
+    A = _load_A(A_ptr, d, dn, d_ok, dn_ok, HEAD_DIM, A_PER_HEAD)
     if HAS_D:
         D = tl.load(D_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
     h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
@@ -102,7 +115,7 @@ def _scan_forward(
         if segment == 0:
             h = tl.load(h0_ptr + b * d_inner * d_state + dn, mask=dn_ok, other=0.0).to(tl.float32)
     elapsed = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    start = segment * segment_len
+    start = segment.to(tl.int64) * segment_len
     end = tl.minimum(start + segment_len, seq_len)
     for c in range(0, tl.cdiv(end - start, CHUNK)):
         if KEEP_CHECKPOINTS:  # (batch, chunks, channels, d_state); one segment only
@@ -135,16 +148,13 @@ def _join_segments(
 ):
     """The true state at each segment's start, in order: start[s] = exp(A elapsed[s-1]) start[s-1] + end[s-1] (the
     recurrence is linear in the state), into starts (batch, segments, channels, d_state); the last state into h."""
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a batch of long sequences passes 2**31 elements
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     d_ok, n_ok = d < d_inner, n < d_state
     dn_ok = d_ok[:, None] & n_ok[None, :]
     dn = d[:, None] * d_state + n[None, :]
-    if A_PER_HEAD:
-        A = tl.load(A_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
-    else:
-        A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
+    A = _load_A(A_ptr, d, dn, d_ok, dn_ok, HEAD_DIM, A_PER_HEAD)
     state = tl.load(ends_ptr + b * segments * d_inner * d_state + dn, mask=dn_ok, other=0.0)
     for s in range(1, segments):
         tl.store(starts_ptr + (b * segments + s) * d_inner * d_state + dn, state, mask=dn_ok)
@@ -164,21 +174,18 @@ def _correct_segments(
 ):
     """y_t += <g_t, C_t> (gated) over segment s + 1, where g starts at the segment's true starting state and decays
     as the state does (g_t = exp(dt_t A) g_{t-1}): what that state adds to the zero-start scan of `_scan_forward`."""
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a batch of long sequences passes 2**31 elements
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     segment = tl.program_id(2) + 1
     n = tl.arange(0, BLOCK_N)
     d_ok, n_ok = d < d_inner, n < d_state
     dn_ok = d_ok[:, None] & n_ok[None, :]
     dn = d[:, None] * d_state + n[None, :]
-    group = (tl.program_id(1) * BLOCK_D) // channels_per_group if ONE_GROUP else d // channels_per_group
-    if A_PER_HEAD:
-        A = tl.load(A_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
-    else:
-        A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
+    group = _group(tl.program_id(1), d, channels_per_group, BLOCK_D, ONE_GROUP)
+    A = _load_A(A_ptr, d, dn, d_ok, dn_ok, HEAD_DIM, A_PER_HEAD)
     segments = tl.num_programs(2) + 1
     g = tl.load(starts_ptr + (b * segments + segment) * d_inner * d_state + dn, mask=dn_ok, other=0.0)
-    start = segment * segment_len
+    start = segment.to(tl.int64) * segment_len
     for t in range(start, tl.minimum(start + segment_len, seq_len)):
         dt = _load_row(dt_ptr, b, t, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
         C = _load_state_row(C_ptr, b, t, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP)
@@ -206,7 +213,7 @@ def _scan_backward(
     """Gradients, per program (sequence b, channel block): u, dt (per channel), z, h0: its own entries; A, D: per
     sequence and channel, (batch, channels, d_state or 1) and (batch, channels), summed by the caller; B, C: added
     atomically into (batch, seq, groups, d_state)."""
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a batch of long sequences passes 2**31 elements
     block = tl.program_id(1)
     d = block * BLOCK_D + tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
@@ -214,12 +221,11 @@ def _scan_backward(
     dn_ok = d_ok[:, None] & n_ok[None, :]
     dn = d[:, None] * d_state + n[None, :]
     local = tl.arange(0, BLOCK_D)[:, None] * BLOCK_N + n[None, :]  # offsets in this program's scratch states
-    group = (block * BLOCK_D) // channels_per_group if ONE_GROUP else d // channels_per_group
-    if A_PER_HEAD:
-        A = tl.load(A_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
+    group = _group(block, d, channels_per_group, BLOCK_D, ONE_GROUP)
+    A = _load_A(A_ptr, d, dn, d_ok, dn_ok, HEAD_DIM, A_PER_HEAD)
+    if A_PER_HEAD:  # (a ternary on a constexpr is avoided: plain branches compile on every Triton release)
         grad_A = tl.zeros((BLOCK_D,), dtype=tl.float32)
     else:
-        A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
         grad_A = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
     if HAS_D:
         D = tl.load(D_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
@@ -233,7 +239,7 @@ def _scan_backward(
     chunks = tl.cdiv(seq_len, CHUNK)
     for reverse in range(0, chunks):
         c = chunks - 1 - reverse
-        start = c * CHUNK
+        start = c.to(tl.int64) * CHUNK
         end = tl.minimum(start + CHUNK, seq_len)
         # the chunk's states, recomputed from its checkpoint: scratch[k] = the state before token start + k
         h = tl.load(checkpoints_ptr + (b * chunks + c) * d_inner * d_state + dn, mask=dn_ok, other=0.0)
