@@ -5,17 +5,19 @@
 #     bash benchmarks/gpu_run.sh            # writes into $OUT (default out/gpu)
 #
 #   1. transformers 5.24 (from the bundle) first on the path; samba-hf from src/;
-#   2. mamba-ssm and causal-conv1d built from their sdists for this GPU's architecture only, both at once (~3 min);
+#   2. mamba-ssm and causal-conv1d built from their sdists for this GPU's architecture only, both at once (~3.5 min);
 #   3. tests/test_gpu.py without the kernel packages, then with them;
 #   4. benchmarks/gpu.py with them, then without them, samba-hf's Triton scan alone (each under a time limit; each
 #      JSON written as it goes);
 #   5. the GPU, versions, and every step's log and exit status in $OUT/run.log.
-# A step that fails is logged and the next one runs.
+# A step that fails is logged and the next one runs. About 9 minutes in all: the device tool's 600 s per command
+# holds it (what is in $OUT when a command is cut comes back anyway).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
 BUNDLE=${BUNDLE:-out/gpu-bundle}
 WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT  # the builds and the bundle's installs
 mkdir -p "$OUT"
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/run.log"; }
 step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output in $OUT/NAME.log
@@ -38,26 +40,26 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton._
 PY
 arch=$(python3 -c "import torch; print(''.join(map(str, torch.cuda.get_device_capability(0))))")
 
-build() {  # build SDIST: for this architecture only, into $kernels
+build() {  # build SDIST: for this architecture only, into its own folder under $kernels
     local dir="$WORK/$(basename "$1" .tar.gz)"
     tar -xzf "$1" -C "$WORK"
     # keep only this GPU's architecture: set just before setup.py's "# HACK: ... _GLIBCXX_USE_CXX11_ABI" comment
     sed -i "s|^    # HACK: The compiler flag -D_GLIBCXX_USE_CXX11_ABI|    cc_flag = [\"-gencode\", \"arch=compute_${arch},code=sm_${arch}\"]\n&|" "$dir/setup.py"
     (cd "$dir" && MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=8 \
-        python3 -m pip install --no-build-isolation --no-deps --no-index --target "$kernels" .)
+        python3 -m pip install --no-build-isolation --no-deps --no-index --target "$kernels/$(basename "$dir")" .)
 }
 export -f build; export WORK kernels arch
 step build-mamba-ssm 420 bash -c "build $BUNDLE/mamba_ssm-*.tar.gz" &
 step build-causal-conv1d 420 bash -c "build $BUNDLE/causal_conv1d-*.tar.gz" &
 wait
 
-with_kernels="$PWD/src:$kernels:$site"
+with_kernels="$PWD/src:$(printf '%s:' "$kernels"/*)$site"
 without="$PWD/src:$site"
-step test-gpu-without-kernels 60 env PYTHONPATH="$without" python3 -m pytest -q tests/test_gpu.py
-step test-gpu-with-kernels 75 env PYTHONPATH="$with_kernels" python3 -m pytest -q tests/test_gpu.py
-step bench-with-kernels 110 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --time-limit 90 \
+step test-gpu-without-kernels 50 env PYTHONPATH="$without" python3 -m pytest -q tests/test_gpu.py
+step test-gpu-with-kernels 70 env PYTHONPATH="$with_kernels" python3 -m pytest -q tests/test_gpu.py
+step bench-with-kernels 95 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --time-limit 75 \
     --out "$OUT/gpu-kernels.json"
 # what `pip install samba-hf` gives: samba-hf's Triton scan, no kernel package (NemotronH on its torch path)
-step bench-pip-install 110 env PYTHONPATH="$without" python3 benchmarks/gpu.py --kernels triton --time-limit 90 \
+step bench-pip-install 95 env PYTHONPATH="$without" python3 benchmarks/gpu.py --kernels triton --time-limit 75 \
     --out "$OUT/gpu-pip-install.json"
 log "done; results in $OUT"
