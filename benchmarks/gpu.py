@@ -16,10 +16,11 @@ step's time does not depend on them), eager (the model called step by step, as g
 --graphs, through `generate(cache_implementation="static")` with transformers' compile (CUDA graphs where it compiles)
 at contexts up to --graphs-max-context (each context and batch compiles anew); a training step (forward and backward,
 batch 1) at --train tokens/s; peak GPU memory of each. First, Samba-1.3B's sliding-window attention alone as samba-hf
-computes it without flash-attn (block by block through sdpa) against sdpa over the full causal prompt, up to 32K:
-linear time, and the speed per key attended. A prefill predicted (from the last length) to take over --cap seconds is
-skipped, and so is everything after --time-limit, each recorded as skipped with why; an out-of-memory is recorded as
-such.
+computes it without flash-attn (block by block through sdpa) against sdpa over the full causal prompt and, on CUDA,
+flex_attention with a sliding block mask, up to 32K: linear time, and the speed per key attended; and the Mamba conv
+as the nn.Conv1d module, as 4 shifted multiply-adds and through causal-conv1d where installed. A prefill predicted
+(from the last length) to take over --cap seconds is skipped, and so is everything after --time-limit, each recorded
+as skipped with why; an out-of-memory is recorded as such.
 
 Which kernels samba-hf runs is what this environment has, or less with --kernels (recorded under "kernels");
 transformers' NemotronH decides for itself when it is imported. benchmarks/gpu_run.sh runs it once with mamba-ssm
@@ -230,6 +231,7 @@ def measure(args, device) -> dict:
         "label": args.label, "kernels": kernels_present(), "models": {},
     }
     result["sliding_attention"] = sliding_attention(args, device, dtype)
+    result["mamba_conv"] = mamba_conv(args, device, dtype)
     chosen = {name: config for name, config in configs(args.smoke).items() if name in args.models.split(",")}
     for name in chosen:
         result["models"][name] = {"prefill": {}, "decode": {}, "train": {}}
@@ -326,12 +328,74 @@ def sliding_attention(args, device, dtype) -> dict:
             window_s = timed(lambda: sliding_window_attention_blockwise(module, q, k, v, None, window, head_dim**-0.5))
             full_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
             keys = sum(min(i + 1, window) for i in range(length))  # (query, key) pairs each computes that count
-            return {"window_seconds": window_s, "full_causal_seconds": full_s,
-                    "window_keys_per_s": keys / window_s, "full_causal_keys_per_s": length * (length + 1) / 2 / full_s}
+            row = {"window_seconds": window_s, "full_causal_seconds": full_s,
+                   "window_keys_per_s": keys / window_s, "full_causal_keys_per_s": length * (length + 1) / 2 / full_s}
+            if device.type == "cuda":  # the other candidate without flash-attn: flex_attention with a sliding mask
+                flex = attempt(lambda: flex_sliding_window(q, k, v, window, keys))
+                row.update({("flex_error" if name == "error" else name): value for name, value in flex.items()})
+            return row
 
         with torch.no_grad():
             rows[length] = attempt(measure_both)
         report("attention", f"length {length}", rows[length])
+    return rows
+
+
+def flex_sliding_window(q, k, v, window: int, keys: int) -> dict:
+    """torch's flex_attention over the same prompt with a sliding-window block mask, compiled for this length (the
+    first call, timed apart): what issue #32 compares the block-wise sdpa path with."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    length = q.shape[2]
+
+    def sliding(b, h, query, key):
+        return (key <= query) & (query - key < window)
+
+    start = time.perf_counter()
+    mask = create_block_mask(sliding, None, None, length, length, device=q.device)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    compiled(q, k, v, block_mask=mask)
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - start
+    with Timer() as t:
+        compiled(q, k, v, block_mask=mask)
+    return {"flex_seconds": t.seconds, "flex_keys_per_s": keys / t.seconds, "flex_compile_seconds": compile_s}
+
+
+def mamba_conv(args, device, dtype) -> dict:
+    """Samba-1.3B's Mamba conv (depthwise, 4 taps, over d_inner channels laid out as the mixer has them) at each
+    length up to 32K: the nn.Conv1d module (what runs without causal-conv1d), samba-hf's 4 shifted multiply-adds
+    (the CPU path), and causal-conv1d where installed; seconds."""
+    from samba_hf.ssm_samba import depthwise_causal_conv
+
+    config = configs(args.smoke)["Samba-1.3B"]
+    channels, taps = config.mamba_d_inner, config.mamba_d_conv
+    conv = torch.nn.Conv1d(channels, channels, taps, groups=channels, padding=taps - 1, device=device, dtype=dtype)
+    found = ssm_samba.load_kernels()
+    rows = {}
+    for length in attention_lengths(args):
+        if skip_reason(args):
+            rows[length] = {"skipped": skip_reason(args)}
+            continue
+        x = torch.randn(1, length, channels, device=device, dtype=dtype).transpose(1, 2)  # (1, d, L), channels last
+
+        def timed(fn):
+            fn()
+            with Timer() as t:
+                fn()
+            return t.seconds
+
+        def measure():
+            row = {"conv1d_seconds": timed(lambda: conv(x)[..., :length]),
+                   "shifted_adds_seconds": timed(lambda: depthwise_causal_conv(conv.weight[:, 0], conv.bias, x, length))}
+            if found.causal_conv1d_fn is not None:
+                row["causal_conv1d_seconds"] = timed(
+                    lambda: found.causal_conv1d_fn(x.contiguous(), conv.weight[:, 0], conv.bias, activation=None))
+            return row
+
+        with torch.no_grad():
+            rows[length] = attempt(measure)
+        report("conv", f"length {length}", rows[length])
     return rows
 
 
