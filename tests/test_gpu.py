@@ -15,8 +15,9 @@ from conftest import tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 KERNELS = ssm_samba.load_kernels()
-needs_mamba_ssm = pytest.mark.skipif(KERNELS.selective_state_update is None or KERNELS.mamba_chunk_scan_combined is None,
-                                     reason="needs mamba-ssm's Triton kernels")
+needs_mamba_ssm = pytest.mark.skipif(
+    KERNELS.selective_state_update is None or KERNELS.mamba_chunk_scan_combined is None,
+    reason="needs mamba-ssm's Triton kernels")
 needs_cuda_scan = pytest.mark.skipif(KERNELS.selective_scan_fn is None, reason="needs mamba-ssm's CUDA scan")
 needs_causal_conv1d = pytest.mark.skipif(KERNELS.causal_conv1d_fn is None, reason="needs causal-conv1d")
 
@@ -165,7 +166,7 @@ def test_a_cached_continuation_never_steps_per_token_in_python(monkeypatch):
     ids = torch.randint(3, 97, (2, 40), device="cuda")
     with torch.no_grad():
         reference = model(ids).logits
-        monkeypatch.setattr(ssm_samba, "selective_scan_pytorch", lambda *a, **k: pytest.fail("the PyTorch scan ran"))
+        monkeypatch.setattr(ssm_samba, "selective_scan_pytorch", not_on_cuda(ssm_samba.selective_scan_pytorch))
         cache = model(ids[:, :25], use_cache=True).past_key_values
         continued = model(ids[:, 25:], past_key_values=cache, use_cache=True).logits
         model.config.inference_chunk_size = 16
@@ -182,8 +183,17 @@ def triton_scans_only(monkeypatch):
     own = ("selective_scan_triton", "ssd_scan_triton")
     monkeypatch.setattr(ssm_samba, "_KERNELS", KERNELS._replace(
         **{name: None for name in ssm_samba.Kernels._fields[:-1] if name not in own}))
-    monkeypatch.setattr(ssm_samba, "selective_scan_pytorch", lambda *a, **k: pytest.fail("the PyTorch scan ran"))
-    monkeypatch.setattr(ssm_samba, "ssd_scan_pytorch", lambda *a, **k: pytest.fail("the PyTorch SSD ran"))
+    for name in ("selective_scan_pytorch", "ssd_scan_pytorch"):
+        monkeypatch.setattr(ssm_samba, name, not_on_cuda(getattr(ssm_samba, name)))
+
+
+def not_on_cuda(scan):
+    """`scan` for CPU tensors (the reference models run there); a failed test if a CUDA tensor reaches it."""
+    def guarded(x, *args, **kwargs):
+        if x.is_cuda:
+            pytest.fail(f"{scan.__name__} ran on CUDA tensors")
+        return scan(x, *args, **kwargs)
+    return guarded
 
 
 PYTORCH_SCAN, PYTORCH_SSD = ssm_samba.selective_scan_pytorch, ssm_samba.ssd_scan_pytorch  # before any monkeypatch
@@ -194,7 +204,7 @@ def values_and_gradients(fn, inputs):
     leaves = [t.clone().requires_grad_() for t in inputs]
     y, h = fn(*leaves)
     g = torch.Generator(device="cuda").manual_seed(1)
-    weights = (torch.rand(y.shape, device="cuda", generator=g) - 0.5, torch.rand(h.shape, device="cuda", generator=g) - 0.5)
+    weights = tuple(torch.rand(t.shape, device="cuda", generator=g) - 0.5 for t in (y, h))
     return (y, h, *torch.autograd.grad((y.float() * weights[0]).sum() + (h * weights[1]).sum(), leaves))
 
 
