@@ -189,6 +189,18 @@ def test_environment_variable_selects_the_pytorch_scan(tmp_path):
     assert "library False" in result.stdout and not cache.exists()
 
 
+def test_the_kernel_testing_switch_without_the_interpreter_is_ignored_with_a_warning(tmp_path):
+    """SAMBA_HF_INTERPRET_KERNELS=1 sends CPU tensors to the CUDA kernels only under TRITON_INTERPRET=1; alone it
+    would send them where nothing runs them, so it is ignored, with one line saying so, and the CPU scan runs."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", SNIPPET + "print('switch', ssm_samba.INTERPRET_KERNELS)\n"], capture_output=True,
+        text=True, timeout=300, env={**env, "SAMBA_HF_INTERPRET_KERNELS": "1", "SAMBA_HF_CACHE": str(tmp_path)},
+    )
+    assert result.returncode == 0 and "switch False" in result.stdout and "finite True" in result.stdout
+    assert "SAMBA_HF_INTERPRET_KERNELS is set without TRITON_INTERPRET=1; ignored" in result.stderr
+
+
 def test_build_leaves_one_library_in_the_cache_and_reuses_it(tmp_path):
     require_compiled_scan()
     result, cache = run_snippet(tmp_path)
