@@ -2,6 +2,7 @@
 
     python benchmarks/gpu.py --out out/gpu/kernels.json            # on a CUDA machine; ~2-4 minutes
     python benchmarks/gpu.py --plot out/gpu/*.json --plot-out out/gpu/figure2.png
+    python benchmarks/gpu.py --table out/gpu/*.json                # Markdown for docs/speed.md
     bash benchmarks/gpu_run.sh                                      # everything, on the GPU machine (see there)
 
 Models (random weights, bf16; speed does not depend on the weights):
@@ -440,6 +441,50 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def table(paths: list[str]) -> str:
+    """The runs as Markdown for docs/speed.md, in the paper's Table 4 spirit: per run and model, prefill tokens/s at
+    each length (and its ratio to the same run's Llama), decode tokens/s per context x batch (eager / graphs), the
+    training step's tokens/s; each run's label, device and date on its heading."""
+    def cell(entry, key="tokens_per_s"):
+        if not isinstance(entry, dict):
+            return "-"
+        if key in entry:
+            return f"{entry[key]:,.0f}"
+        return "OOM" if entry.get("error") == "out of memory" else ("skipped" if "skipped" in entry else "failed")
+
+    lines = []
+    for path in paths:
+        run = json.load(open(path))
+        lines += [f"#### {run['label']}: {run['device']}, {run['dtype']}, {run['date']} (`{run['command']}`)", ""]
+        llama = run["models"].get("Llama-1.3B", {})
+        lengths = sorted({int(n) for row in run["models"].values() for n in row["prefill"]})
+        contexts = sorted({k for row in run["models"].values() for k in row["decode"]},
+                          key=lambda k: tuple(map(int, k.split("x"))))
+        def tokens(n):
+            return f"{int(n) // 1024}K" if int(n) >= 1024 else str(n)
+
+        trained = sorted({int(n) for row in run["models"].values() for n in row["train"]})
+        lines.append("| model | " + " | ".join(f"prefill {tokens(n)}" for n in lengths) + " | "
+                     + " | ".join(f"decode {tokens(k.split('x')[0])} b{k.split('x')[1]}" for k in contexts)
+                     + " | " + " | ".join(f"train {tokens(n)}" for n in trained) + " |")
+        lines.append("|---" * (1 + len(lengths) + len(contexts) + len(trained)) + "|")
+        for name, row in run["models"].items():
+            prefill = []
+            for n in lengths:
+                entry = row["prefill"].get(str(n))
+                ratio = ""
+                if name != "Llama-1.3B" and "tokens_per_s" in (entry or {}) and "tokens_per_s" in (
+                        llama.get("prefill", {}).get(str(n)) or {}):
+                    ratio = f" ({entry['tokens_per_s'] / llama['prefill'][str(n)]['tokens_per_s']:.2f}x)"
+                prefill.append(cell(entry) + ratio)
+            decode = [" / ".join(cell(row["decode"].get(k, {}).get(mode)) for mode in ("eager", "graphs"))
+                      for k in contexts]
+            train = [cell(row["train"].get(str(n))) for n in trained]
+            lines.append(f"| {name} | " + " | ".join(prefill + decode + train) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def plot(paths: list[str], out: str):
     """Figure 2's two panels: prefill and decode (batch 1, eager and graphs) throughput against length, every model
     of every file, labelled with the file's --label."""
@@ -500,7 +545,15 @@ def main(argv=None):
     parser.add_argument("--plot", nargs="+", default=None,
                         help="JSON files of earlier runs: draw them, measure nothing")
     parser.add_argument("--plot-out", default="out/gpu/figure2.png")
+    parser.add_argument("--table", nargs="+", default=None,
+                        help="JSON files of earlier runs: print them as Markdown tables (tokens/s), measure nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        missing = [p for p in args.table if not os.path.isfile(p)]
+        if missing:
+            parser.error(f"--table: no such file: {', '.join(missing)}")
+        print(table(args.table))
+        return 0
     if args.plot:
         missing = [p for p in args.plot if not os.path.isfile(p)]
         if missing:

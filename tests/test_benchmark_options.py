@@ -135,6 +135,11 @@ def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
                     *(mode for entry in row["decode"].values() for mode in entry.values())]
         assert all(m.get("tokens_per_s", 0) > 0 for m in measured), (name, measured)
         assert "graphs" in row["decode"]["24x2"] and "graphs" not in row["decode"]["40x1"]  # --graphs-max-context
+    shown = subprocess.run([sys.executable, str(GPU), "--table", str(out)], capture_output=True, text=True,
+                           timeout=300)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    rows = [line for line in shown.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 4 and "x)" in rows[1]  # a heading and the four models; Samba's ratio to Llama
     figure = tmp_path / "figure.png"
     drawn = subprocess.run([sys.executable, str(GPU), "--plot", str(out), "--plot-out", str(figure)],
                            capture_output=True, text=True, timeout=300)
