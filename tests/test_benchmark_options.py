@@ -160,6 +160,8 @@ def test_the_gpu_benchmark_says_in_one_line_that_there_is_no_gpu(tmp_path):
     (["--decode", "0"], "--decode takes positive token counts"),
     (["--steps", "1"], "--steps 2 or more"),
     (["--plot", "/no/such/run.json"], "--plot: no such file: /no/such/run.json"),
+    (["--table", "/no/such/run.json"], "--table: no such file: /no/such/run.json"),
+    (["--kernels", "mamba"], "argument --kernels: invalid choice"),
     (["--out", "."], "--out . is a folder"),
 ])
 def test_the_gpu_benchmark_refuses_mistaken_options(arguments, message):
