@@ -49,8 +49,8 @@ build() {  # build SDIST: for this architecture only, into its own folder under 
         python3 -m pip install --no-build-isolation --no-deps --no-index --target "$kernels/$(basename "$dir")" .)
 }
 export -f build; export WORK kernels arch
-step build-mamba-ssm 420 bash -c "build $BUNDLE/mamba_ssm-*.tar.gz" &
-step build-causal-conv1d 420 bash -c "build $BUNDLE/causal_conv1d-*.tar.gz" &
+step build-mamba-ssm 300 bash -c "build $BUNDLE/mamba_ssm-*.tar.gz" &
+step build-causal-conv1d 300 bash -c "build $BUNDLE/causal_conv1d-*.tar.gz" &
 wait
 
 with_kernels="$PWD/src:$(printf '%s:' "$kernels"/*)$site"
