@@ -55,34 +55,42 @@ def _load_row(ptr, b, t, d, d_ok, stride_b, stride_t, HEAD_DIM: tl.constexpr):
 def _load_state_row(ptr, b, t, group, n, d_ok, n_ok, stride_b, stride_t, stride_g, ONE_GROUP: tl.constexpr):
     """B_t or C_t for the block's channels: (1, BLOCK_N) when they share a group, else (BLOCK_D, BLOCK_N)."""
     row = ptr + b * stride_b + t * stride_t
-    if ONE_GROUP:
-        return tl.load(row + group * stride_g + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    return tl.load(row + group[:, None] * stride_g + n[None, :], mask=d_ok[:, None] & n_ok[None, :],
-                   other=0.0).to(tl.float32)
+    if ONE_GROUP:  # (one return: Triton wants the same type from every return, constexpr branches or not)
+        values = tl.load(row + group * stride_g + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        values = tl.load(row + group[:, None] * stride_g + n[None, :], mask=d_ok[:, None] & n_ok[None, :],
+                         other=0.0).to(tl.float32)
+    return values
 
 
 @triton.jit
 def _group(block, d, channels_per_group, BLOCK_D: tl.constexpr, ONE_GROUP: tl.constexpr):
     """The group (of B and C) of the block's channels: one number when they share it, else one per channel."""
     if ONE_GROUP:
-        return (block * BLOCK_D) // channels_per_group
-    return d // channels_per_group
+        group = (block * BLOCK_D) // channels_per_group
+    else:
+        group = d // channels_per_group
+    return group
 
 
 @triton.jit
 def _load_A(A_ptr, d, dn, d_ok, dn_ok, HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr):
     """The block's decay rates: one per channel (its head's) when A_PER_HEAD, else a (BLOCK_D, BLOCK_N) row each."""
     if A_PER_HEAD:
-        return tl.load(A_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
-    return tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
+        A = tl.load(A_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
+    else:
+        A = tl.load(A_ptr + dn, mask=dn_ok, other=0.0).to(tl.float32)
+    return A
 
 
 @triton.jit
 def _decay(dt, A, A_PER_HEAD: tl.constexpr):
     """exp(dt A): (BLOCK_D, 1) when A is one number per channel (Mamba-2's heads), else (BLOCK_D, BLOCK_N)."""
     if A_PER_HEAD:
-        return tl.exp(dt * A)[:, None]
-    return tl.exp(dt[:, None] * A)
+        decay = tl.exp(dt * A)[:, None]
+    else:
+        decay = tl.exp(dt[:, None] * A)
+    return decay
 
 
 @triton.jit

@@ -1,0 +1,109 @@
+"""Compile every variant of samba-hf's Triton kernels that the Python side launches, with Triton's real compiler, for
+CUDA targets (sm_80, sm_90), down to a cubin, on a machine without a GPU.
+
+The interpreter that tests/test_kernels.py runs under checks what the kernels compute, but not whether the compiler
+takes them: on the first H200 run (Triton 3.6) every variant failed to compile ("Inconsistent return types": a
+helper returned a scalar from one constexpr branch and a tensor from the other), which the interpreter accepts.
+Run without TRITON_INTERPRET (the interpreter replaces the kernels): `python tests/triton_compile_check.py` prints one
+line per variant and ends with "failures N"; tests/test_kernels.py runs it."""
+
+import importlib.util
+import itertools
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "..", "src", "samba_hf", "triton_scan_samba.py")
+
+# (name, head_dim, groups, a_per_head, d_inner, d_state): the layouts the models give _Layout
+LAYOUTS = [
+    ("Samba-1.3B", 1, 1, False, 4608, 16),
+    ("Mamba-2-Hybrid 8B", 64, 8, True, 8192, 128),
+    ("Mamba-2, groups spanning blocks", 4, 3, True, 24, 5),
+]
+
+
+def load_kernels():
+    spec = importlib.util.spec_from_file_location("triton_scan_samba_checked", SOURCE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_for(fn, target, pointers: dict, constants: dict) -> str:
+    """Compile fn with these pointer element types (None: an absent optional tensor) and constexprs; "" or why not."""
+    signature, constexprs = {}, {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name], constexprs[name] = "constexpr", constants[name]
+        elif name in pointers:
+            if pointers[name] is None:
+                signature[name], constexprs[name] = "constexpr", None
+            else:
+                signature[name] = "*" + pointers[name]
+        else:
+            signature[name] = "i32"
+    try:
+        kernel = triton.compile(ASTSource(fn, signature, constexprs), target=target)
+    except Exception as error:  # the compiler's message, last lines
+        return " | ".join(str(error).strip().splitlines()[-3:])[:500]
+    return "" if kernel.asm.get("cubin") else "no cubin produced"
+
+
+def variants(t):
+    """(kernel, description, pointer types, constexprs) for every launch `_forward` / `_backward` can make."""
+    for (name, head_dim, groups, a_per_head, d_inner, d_state), dtype in itertools.product(LAYOUTS, ("bf16", "fp32")):
+        layout = t._Layout(d_inner, d_state, head_dim, groups, a_per_head)
+        base = layout.constants()
+        mamba1 = not a_per_head
+        for has_z, has_h0, keep, segmented in itertools.product((mamba1, False), (False, True), (False, True),
+                                                                (False, True)):
+            if keep and segmented:
+                continue
+            constants = dict(base, HAS_D=True, HAS_Z=has_z, HAS_H0=has_h0, KEEP_CHECKPOINTS=keep, SEGMENTED=segmented)
+            pointers = dict(u_ptr=dtype, dt_ptr="fp32", A_ptr="fp32", B_ptr=dtype, C_ptr=dtype, D_ptr="fp32",
+                            z_ptr=dtype if has_z else None, h0_ptr="fp32" if has_h0 else None, y_ptr=dtype,
+                            h_ptr="fp32", checkpoints_ptr="fp32" if keep else None,
+                            elapsed_ptr="fp32" if segmented else None)
+            if segmented:
+                pointers["y_ptr"] = "fp32"  # _forward keeps y in float32 when it joins segments
+            yield t._scan_forward, f"forward {name} {dtype} {constants}", pointers, constants
+        for has_z, grad_h in itertools.product((mamba1, False), (False, True)):
+            constants = dict(base, HAS_D=True, HAS_Z=has_z, HAS_GRAD_H=grad_h)
+            pointers = dict(u_ptr=dtype, dt_ptr="fp32", A_ptr="fp32", B_ptr=dtype, C_ptr=dtype, D_ptr="fp32",
+                            z_ptr=dtype if has_z else None, checkpoints_ptr="fp32", scratch_ptr="fp32",
+                            grad_y_ptr=dtype, grad_h_ptr="fp32" if grad_h else None, grad_u_ptr="fp32",
+                            grad_dt_ptr="fp32", grad_A_ptr="fp32", grad_B_ptr="fp32", grad_C_ptr="fp32",
+                            grad_D_ptr="fp32", grad_z_ptr="fp32" if has_z else None, grad_h0_ptr="fp32")
+            yield t._scan_backward, f"backward {name} {dtype} {constants}", pointers, constants
+        shared = dict(HEAD_DIM=head_dim, A_PER_HEAD=a_per_head, BLOCK_D=layout.block_d, BLOCK_N=layout.block_n)
+        yield (t._join_segments, f"join {name}", dict(A_ptr="fp32", ends_ptr="fp32", elapsed_ptr="fp32",
+                                                      starts_ptr="fp32", h_ptr="fp32"), shared)
+        for has_z in {mamba1, False}:
+            constants = dict(shared, ONE_GROUP=layout.one_group, HAS_Z=has_z)
+            pointers = dict(dt_ptr="fp32", A_ptr="fp32", C_ptr=dtype, z_ptr=dtype if has_z else None,
+                            starts_ptr="fp32", y_ptr="fp32")
+            yield t._correct_segments, f"correct {name} {dtype} {constants}", pointers, constants
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("run without TRITON_INTERPRET=1: the interpreter replaces the kernels this compiles", file=sys.stderr)
+        return 2
+    t = load_kernels()
+    failures = 0
+    for target in (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)):
+        for fn, what, pointers, constants in variants(t):
+            why = compile_for(fn, target, pointers, constants)
+            failures += bool(why)
+            print(f"sm_{target.arch} {what}: {why or 'ok'}", flush=True)
+    print(f"failures {failures}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
