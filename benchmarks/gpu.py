@@ -132,7 +132,10 @@ class Timer:
 
 
 def attempt(fn):
-    """fn()'s result, or {"error": ...}: out of memory, or anything a path cannot do (recorded, not fatal)."""
+    """fn()'s result, or {"error": ...}: out of memory, or anything a path cannot do (recorded, not fatal). A CUDA
+    error that poisons the process (an illegal memory access: on the H200, transformers' NemotronH with mamba-ssm at
+    128K) ends the run's measuring, the JSON still written (`skip_reason`)."""
+    global BROKEN
     try:
         return fn()
     except torch.cuda.OutOfMemoryError:
@@ -141,7 +144,13 @@ def attempt(fn):
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"}
     finally:
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            try:
+                torch.cuda.empty_cache()
+            except Exception as error:  # the CUDA context is gone: nothing more can run in this process
+                BROKEN = f"the CUDA context was lost ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+
+
+BROKEN = None
 
 
 def prefill(model, length: int, repeat: int) -> dict:
@@ -159,11 +168,17 @@ def prefill(model, length: int, repeat: int) -> dict:
 def decode_eager(model, context: int, batch: int, steps: int) -> dict:
     cache = filled_cache(model, batch, context)
     token = torch.randint(0, model.config.vocab_size, (batch, 1), device=model.device)
-    with torch.no_grad(), Timer() as t:
-        for step in range(steps):
-            position = torch.full((batch, 1), context + step, device=model.device)
-            logits = model(token, past_key_values=cache, use_cache=True, position_ids=position).logits
-            token = logits[:, -1:].argmax(-1)
+
+    def step(at):
+        position = torch.full((batch, 1), context + at, device=model.device)
+        return model(token, past_key_values=cache, use_cache=True, position_ids=position).logits[:, -1:].argmax(-1)
+
+    with torch.no_grad():
+        for at in range(2):  # warm-up: first calls' allocations and launches (the first H200 run's 1K rows had them)
+            token = step(at)
+        with Timer() as t:
+            for at in range(2, 2 + steps):
+                token = step(at)
     return {"tokens_per_s": batch * steps / t.seconds, "ms_per_step": 1000 * t.seconds / steps, "peak_gib": t.peak_gib}
 
 
@@ -406,6 +421,8 @@ PHASES = {"prefill": prefill_phase, "decode": decode_phase, "train": train_phase
 def skip_reason(args, predicted_seconds=None) -> str | None:
     """Why a measurement is skipped: the run is past --time-limit, or the prefill, scaled from the last length that
     ran, would take over --cap seconds."""
+    if BROKEN:
+        return BROKEN
     if time.perf_counter() - START > args.time_limit:
         return f"past --time-limit {args.time_limit:g} s"
     if predicted_seconds is not None and predicted_seconds > args.cap:
@@ -441,9 +458,14 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+# What each model's prefill is compared with in --table: the same shape (Samba, Llama) or the same layout.
+BASELINES = {"Samba-1.3B": "Llama-1.3B", "Mamba-2-Hybrid": "NemotronH"}
+
+
 def table(paths: list[str]) -> str:
     """The runs as Markdown for docs/speed.md, in the paper's Table 4 spirit: per run and model, prefill tokens/s at
-    each length (and its ratio to the same run's Llama), decode tokens/s per context x batch (eager / graphs), the
+    each length (Samba's ratio to the same run's Llama, the Mamba-2-Hybrid's to NemotronH), decode tokens/s per
+    context x batch (eager / graphs), the
     training step's tokens/s; each run's label, device and date on its heading."""
     def cell(entry, key="tokens_per_s"):
         if not isinstance(entry, dict):
@@ -456,7 +478,6 @@ def table(paths: list[str]) -> str:
     for path in paths:
         run = json.load(open(path))
         lines += [f"#### {run['label']}: {run['device']}, {run['dtype']}, {run['date']} (`{run['command']}`)", ""]
-        llama = run["models"].get("Llama-1.3B", {})
         lengths = sorted({int(n) for row in run["models"].values() for n in row["prefill"]})
         contexts = sorted({k for row in run["models"].values() for k in row["decode"]},
                           key=lambda k: tuple(map(int, k.split("x"))))
@@ -464,18 +485,18 @@ def table(paths: list[str]) -> str:
             return f"{int(n) // 1024}K" if int(n) >= 1024 else str(n)
 
         trained = sorted({int(n) for row in run["models"].values() for n in row["train"]})
-        lines.append("| model | " + " | ".join(f"prefill {tokens(n)}" for n in lengths) + " | "
-                     + " | ".join(f"decode {tokens(k.split('x')[0])} b{k.split('x')[1]}" for k in contexts)
-                     + " | " + " | ".join(f"train {tokens(n)}" for n in trained) + " |")
-        lines.append("|---" * (1 + len(lengths) + len(contexts) + len(trained)) + "|")
+        heading = ([f"prefill {tokens(n)}" for n in lengths]
+                   + [f"decode {tokens(k.split('x')[0])} b{k.split('x')[1]}" for k in contexts]
+                   + [f"train {tokens(n)}" for n in trained])
+        lines += ["| model | " + " | ".join(heading) + " |", "|---" * (1 + len(heading)) + "|"]
         for name, row in run["models"].items():
+            baseline = run["models"].get(BASELINES.get(name), {}).get("prefill", {})
             prefill = []
             for n in lengths:
-                entry = row["prefill"].get(str(n))
+                entry, base = row["prefill"].get(str(n)), baseline.get(str(n)) or {}
                 ratio = ""
-                if name != "Llama-1.3B" and "tokens_per_s" in (entry or {}) and "tokens_per_s" in (
-                        llama.get("prefill", {}).get(str(n)) or {}):
-                    ratio = f" ({entry['tokens_per_s'] / llama['prefill'][str(n)]['tokens_per_s']:.2f}x)"
+                if "tokens_per_s" in (entry or {}) and "tokens_per_s" in base:
+                    ratio = f" ({entry['tokens_per_s'] / base['tokens_per_s']:.2f}x)"
                 prefill.append(cell(entry) + ratio)
             decode = [" / ".join(cell(row["decode"].get(k, {}).get(mode)) for mode in ("eager", "graphs"))
                       for k in contexts]
