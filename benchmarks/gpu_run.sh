@@ -1,36 +1,42 @@
 #!/usr/bin/env bash
-# Everything samba-hf measures and checks on a GPU, in one script sized for about 9 minutes on an H100 / H200 without
-# internet access. From the repository root, after `bash benchmarks/gpu_prepare.sh` on a machine with internet:
+# Everything samba-hf measures and checks on a GPU, for an H100 / H200 without internet access. From the repository
+# root, after `bash benchmarks/gpu_prepare.sh` on a machine with internet:
 #
-#     bash benchmarks/gpu_run.sh            # writes into $OUT (default out/gpu)
+#     bash benchmarks/gpu_run.sh tests      # build the kernel packages, run tests/test_gpu.py without and with them
+#     bash benchmarks/gpu_run.sh bench      # benchmarks/gpu.py with them, then without them
+#     bash benchmarks/gpu_run.sh            # both (about 12 minutes: more than one 600 s device command)
 #
 #   1. transformers 5.24 (from the bundle) first on the path; samba-hf from src/;
-#   2. mamba-ssm and causal-conv1d built from their sdists for this GPU's architecture only, both at once (~3.5 min);
+#   2. mamba-ssm and causal-conv1d built from their sdists for this GPU's architecture only, both at once (~5 min;
+#      kept in $WORK, default ~/.samba-hf-gpu, so that `bench` after `tests` on the same machine reuses them);
 #   3. tests/test_gpu.py without the kernel packages, then with them;
-#   4. benchmarks/gpu.py with them, then without them, samba-hf's Triton scan alone (each under a time limit; each
+#   4. benchmarks/gpu.py with them, then without them, samba-hf's Triton scans alone (each under a time limit; each
 #      JSON written as it goes);
-#   5. the GPU, versions, and every step's log and exit status in $OUT/run.log.
-# A step that fails is logged and the next one runs. About 9 minutes in all: the device tool's 600 s per command
-# holds it (what is in $OUT when a command is cut comes back anyway).
+#   5. the GPU and versions in $OUT/run.log, every step's output appended to $OUT/steps.log (few files: the device
+#      tool brings back only a handful).
+# A step that fails is logged and the next one runs. Writes into $OUT (default out/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+STAGE=${1:-all}
+case "$STAGE" in all|tests|bench) ;; *) echo "gpu_run.sh: the stage is tests, bench or nothing (both), not $STAGE" >&2; exit 1 ;; esac
 OUT=${OUT:-out/gpu}
 BUNDLE=${BUNDLE:-out/gpu-bundle}
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT  # the builds and the bundle's installs
-mkdir -p "$OUT"
+WORK=${WORK:-$HOME/.samba-hf-gpu}
+mkdir -p "$OUT" "$WORK"
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/run.log"; }
-step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output in $OUT/NAME.log
+step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output appended to $OUT/steps.log
     local name=$1 limit=$2; shift 2
     log "start $name (limit ${limit}s): $*"
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    log "end $name: exit $? ($(tail -n 1 "$OUT/$name.log" | cut -c1-200))"
+    timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
+    local status=$?
+    { echo "===== $name (exit $status)"; grep -v "^WARNING: Location" "$WORK/$name.log"; } >> "$OUT/steps.log"
+    log "end $name: exit $status ($(tail -n 1 "$WORK/$name.log" | cut -c1-200))"
 }
 
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 site="$WORK/site"      # transformers 5.24 and the build tools
 kernels="$WORK/kernels"  # mamba-ssm and causal-conv1d, built here
-python3 -m pip install -q --no-index --no-deps --target "$site" "$BUNDLE"/*.whl >> "$OUT/run.log" 2>&1
+python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" "$BUNDLE"/*.whl >> "$OUT/run.log" 2>&1
 export PYTHONPATH="$PWD/src:$site"
 export PATH="$site/bin:$PATH"  # ninja
 python3 - <<PY 2>&1 | tee -a "$OUT/run.log"
@@ -40,8 +46,9 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton._
 PY
 arch=$(python3 -c "import torch; print(''.join(map(str, torch.cuda.get_device_capability(0))))")
 
-build() {  # build SDIST: for this architecture only, into its own folder under $kernels
+build() {  # build SDIST: for this architecture only, into its own folder under $kernels (once)
     local dir="$WORK/$(basename "$1" .tar.gz)"
+    if [ -d "$kernels/$(basename "$dir")" ]; then echo "already built: $kernels/$(basename "$dir")"; return 0; fi
     tar -xzf "$1" -C "$WORK"
     # keep only this GPU's architecture: set just before setup.py's "# HACK: ... _GLIBCXX_USE_CXX11_ABI" comment
     sed -i "s|^    # HACK: The compiler flag -D_GLIBCXX_USE_CXX11_ABI|    cc_flag = [\"-gencode\", \"arch=compute_${arch},code=sm_${arch}\"]\n&|" "$dir/setup.py"
@@ -49,17 +56,21 @@ build() {  # build SDIST: for this architecture only, into its own folder under 
         python3 -m pip install --no-build-isolation --no-deps --no-index --target "$kernels/$(basename "$dir")" .)
 }
 export -f build; export WORK kernels arch
-step build-mamba-ssm 300 bash -c "build $BUNDLE/mamba_ssm-*.tar.gz" &
-step build-causal-conv1d 300 bash -c "build $BUNDLE/causal_conv1d-*.tar.gz" &
-wait
-
 with_kernels="$PWD/src:$(printf '%s:' "$kernels"/*)$site"
 without="$PWD/src:$site"
-step test-gpu-without-kernels 50 env PYTHONPATH="$without" python3 -m pytest -q tests/test_gpu.py
-step test-gpu-with-kernels 70 env PYTHONPATH="$with_kernels" python3 -m pytest -q tests/test_gpu.py
-step bench-with-kernels 95 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --time-limit 75 \
-    --out "$OUT/gpu-kernels.json"
-# what `pip install samba-hf` gives: samba-hf's Triton scan, no kernel package (NemotronH on its torch path)
-step bench-pip-install 95 env PYTHONPATH="$without" python3 benchmarks/gpu.py --kernels triton --time-limit 75 \
-    --out "$OUT/gpu-pip-install.json"
-log "done; results in $OUT"
+if [ "$STAGE" != bench ]; then
+    step build-mamba-ssm 400 bash -c "build $BUNDLE/mamba_ssm-*.tar.gz" &
+    step build-causal-conv1d 400 bash -c "build $BUNDLE/causal_conv1d-*.tar.gz" &
+    wait
+    with_kernels="$PWD/src:$(printf '%s:' "$kernels"/*)$site"
+    step test-gpu-without-kernels 60 env PYTHONPATH="$without" python3 -m pytest -q tests/test_gpu.py
+    step test-gpu-with-kernels 150 env PYTHONPATH="$with_kernels" python3 -m pytest -q -rf tests/test_gpu.py
+fi
+if [ "$STAGE" != tests ]; then
+    step bench-with-kernels 150 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --time-limit 130 \
+        --out "$OUT/gpu-kernels.json"
+    # what `pip install samba-hf` gives: samba-hf's Triton scans, no kernel package (NemotronH on its torch path)
+    step bench-pip-install 150 env PYTHONPATH="$without" python3 benchmarks/gpu.py --kernels triton --time-limit 130 \
+        --out "$OUT/gpu-pip-install.json"
+fi
+log "done ($STAGE); results in $OUT"
