@@ -131,6 +131,14 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
+def timed(fn) -> float:
+    """Seconds of one call of fn, after a warm-up call (first launches, compiles)."""
+    fn()
+    with Timer() as t:
+        fn()
+    return t.seconds
+
+
 def attempt(fn):
     """fn()'s result, or {"error": ...}: out of memory, or anything a path cannot do (recorded, not fatal). A CUDA
     error that poisons the process (an illegal memory access: on the H200, transformers' NemotronH with mamba-ssm at
@@ -334,12 +342,6 @@ def sliding_attention(args, device, dtype) -> dict:
             continue
         q, k, v = (torch.randn(1, heads, length, head_dim, device=device, dtype=dtype) for _ in range(3))
 
-        def timed(fn):
-            fn()  # warm-up
-            with Timer() as t:
-                fn()
-            return t.seconds
-
         def measure_both():
             window_s = timed(lambda: sliding_window_attention_blockwise(module, q, k, v, None, window, head_dim**-0.5))
             full_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
@@ -394,12 +396,6 @@ def mamba_conv(args, device, dtype) -> dict:
             rows[length] = {"skipped": skip_reason(args)}
             continue
         x = torch.randn(1, length, channels, device=device, dtype=dtype).transpose(1, 2)  # (1, d, L), channels last
-
-        def timed(fn):
-            fn()
-            with Timer() as t:
-                fn()
-            return t.seconds
 
         def measure():
             row = {"conv1d_seconds": timed(lambda: conv(x)[..., :length]),
@@ -569,16 +565,14 @@ def main(argv=None):
     parser.add_argument("--table", nargs="+", default=None,
                         help="JSON files of earlier runs: print them as Markdown tables (tokens/s), measure nothing")
     args = parser.parse_args(argv)
-    if args.table:
-        missing = [p for p in args.table if not os.path.isfile(p)]
+    for option in ("table", "plot"):
+        missing = [p for p in getattr(args, option) or () if not os.path.isfile(p)]
         if missing:
-            parser.error(f"--table: no such file: {', '.join(missing)}")
+            parser.error(f"--{option}: no such file: {', '.join(missing)}")
+    if args.table:
         print(table(args.table))
         return 0
     if args.plot:
-        missing = [p for p in args.plot if not os.path.isfile(p)]
-        if missing:
-            parser.error(f"--plot: no such file: {', '.join(missing)}")
         return plot(args.plot, args.plot_out)
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:

@@ -99,6 +99,7 @@ _KERNELS: Kernels | None = None
 
 _INSTALL_MAMBA = ("install mamba-ssm with its CUDA extension (MAMBA_FORCE_BUILD=TRUE pip install mamba-ssm "
                   "--no-build-isolation; from its main branch also MAMBA_KEEP_CUDA_BUILD=TRUE)")
+_INSTALL_TRITON = "install triton (torch's CUDA wheels bring it)"
 _INSTALL_CONV = "install causal-conv1d (CAUSAL_CONV1D_FORCE_BUILD=TRUE pip install causal-conv1d --no-build-isolation)"
 
 
@@ -254,7 +255,7 @@ def selective_scan(
                                  f"{kernels.missing.get('selective_scan_fn')}; to use that one, {_INSTALL_MAMBA})")
             return kernels.selective_scan_triton(u, dt, A, B, C, D, z, h0)
         _fallback("selective_scan_triton", "the Mamba scan runs in PyTorch, a Python step per token (slow on a GPU)",
-                  "install triton (torch's CUDA wheels bring it)")
+                  _INSTALL_TRITON)
     elif u.device.type == "cpu" and cpu_scan_available():
         return selective_scan_cpu(u, dt, A, B, C, D, z, h0)
     return selective_scan_pytorch(u, dt, A, B, C, D, z, h0)
@@ -329,7 +330,7 @@ def ssd_scan(
         if kernels.ssd_scan_triton is not None:
             return kernels.ssd_scan_triton(x, dt, A, B, C, D, h0)
         _fallback("ssd_scan_triton", "the Mamba-2 scan runs in PyTorch, a chunk at a time",
-                  "install triton (torch's CUDA wheels bring it)")
+                  _INSTALL_TRITON)
     return ssd_scan_pytorch(x, dt, A, B, C, D, h0, chunk_size)
 
 
