@@ -21,6 +21,13 @@ needs_mamba_ssm = pytest.mark.skipif(
 needs_cuda_scan = pytest.mark.skipif(KERNELS.selective_scan_fn is None, reason="needs mamba-ssm's CUDA scan")
 needs_causal_conv1d = pytest.mark.skipif(KERNELS.causal_conv1d_fn is None, reason="needs causal-conv1d")
 
+# mamba-ssm's Mamba-2 kernels multiply float32 blocks with tl.dot at Triton's default precision, TF32 on a GPU's
+# tensor cores (a 10-bit mantissa), while the PyTorch path multiplies in full float32. Under the interpreter, with
+# TF32 emulated the worse way (the 13 low bits of each operand dropped), test_ssd_kernels_match_pytorch's inputs
+# differ by 1.7e-3 of the output's size (6.2e-4 rounding to nearest, 3e-6 in full float32), over the 1e-3 this case
+# failed with on the H200 (2026-11-26). tests/test_kernels.py checks the emulated error against this bound.
+SSD_FLOAT32_TOLERANCE = 4e-3
+
 
 @needs_causal_conv1d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -132,7 +139,7 @@ def test_ssd_kernels_match_pytorch(dtype):
     B, C = (torch.randn(b, L, groups, n, device="cuda", generator=g).to(dtype) for _ in range(2))
     D = torch.randn(h, device="cuda", generator=g)
     h0 = torch.randn(b, h, p, n, device="cuda", generator=g)
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    tol = SSD_FLOAT32_TOLERANCE if dtype == torch.float32 else 5e-2
     for state in (None, h0):
         y_k, last_k = ssm_samba.ssd_scan(x, dt, A, B, C, D, state, chunk_size=64)
         y_p, last_p = ssm_samba.ssd_scan_pytorch(x, dt, A, B, C, D, state, chunk_size=64)

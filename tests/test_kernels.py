@@ -315,6 +315,48 @@ def test_the_mamba2_scan_runs_mamba_chunk_scan_combined(kernels, monkeypatch, dt
         assert_close(grad, ref, 1e-3)
 
 
+def test_mamba_ssms_float32_ssd_with_tf32_products_stays_within_test_gpus_tolerance(kernels, monkeypatch):
+    """On a GPU mamba-ssm's float32 `tl.dot`s run on tensor cores as TF32 (Triton's default precision); the
+    interpreter multiplies in full float32. With TF32 emulated the worse way (the 13 low mantissa bits of each operand
+    dropped, as an mma reads a float32 register unless the compiler rounds it first), the Mamba-2 scan must stay
+    within the bound test_gpu.py holds it to, with a margin of 2 for other inputs; and the emulation must show (the
+    error at least 10x that of full float32)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from test_gpu import SSD_FLOAT32_TOLERANCE
+
+    g = torch.Generator().manual_seed(0)
+    b, L, h, p, groups, n = 1, 200, 4, 16, 2, 32  # test_gpu's case, smaller
+    x = torch.randn(b, L, h, p, generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(b, L, h, generator=g) - 2)
+    A = -torch.exp(torch.randn(h, generator=g))
+    B, C = (torch.randn(b, L, groups, n, generator=g) for _ in range(2))
+    D, h0 = torch.randn(h, generator=g), torch.randn(b, h, p, n, generator=g)
+    y_ref, _ = float64_ssd(x, dt, A, B, C, D, h0)
+
+    def relative_error():
+        y, _ = ssm_samba.ssd_scan(x, dt, A, B, C, D, h0, chunk_size=64)
+        return ((y.double() - y_ref).abs().max() / y_ref.abs().max()).item()
+
+    full_float32 = relative_error()
+    ieee_dot = interpreter.InterpreterBuilder.create_dot
+
+    def tf32(handle):
+        bits = np.ascontiguousarray(handle.data).view(np.uint32) & np.uint32(0xFFFFE000)
+        return interpreter.TensorHandle(bits.view(np.float32), handle.dtype.scalar)
+
+    def tf32_dot(self, a, b, d, *args):
+        if a.data.dtype == np.float32 and b.data.dtype == np.float32:
+            a, b = tf32(a), tf32(b)
+        return ieee_dot(self, a, b, d, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", tf32_dot)
+    with_tf32 = relative_error()
+    assert kernels["mamba_chunk_scan_combined"] == 2
+    assert 10 * full_float32 < with_tf32 <= SSD_FLOAT32_TOLERANCE / 2, (full_float32, with_tf32)
+
+
 def test_the_causal_conv_runs_causal_conv1d(kernels):
     conv = torch.nn.Conv1d(24, 24, kernel_size=4, groups=24, padding=3)
     window = torch.randn(2, 24, 13)
