@@ -247,6 +247,40 @@ def test_samba_hfs_triton_scans_match_pytorch_with_gradients(triton_scans_only, 
     assert_all_close(values_and_gradients(ssm_samba.ssd_scan, inputs), values_and_gradients(PYTORCH_SSD, inputs), tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_sliding_window_inputs_run_flex_attention_and_match_the_cpu(monkeypatch, dtype):
+    """On a GPU with sdpa, inputs longer than the window go through compiled flex_attention (the CPU goes block by
+    block): logits, a padded batch, a cached continuation and the gradients of a training step as on the CPU."""
+    import samba_hf.modeling_samba as modeling
+
+    calls = []
+    flex = modeling.sliding_window_attention_flex
+    monkeypatch.setattr(modeling, "sliding_window_attention_flex", lambda *a: calls.append(a[1].device) or flex(*a))
+    shape = dict(head_dim=16, hidden_size=64, sliding_window=64)  # flex on CUDA: head_dim >= 16
+    cpu, gpu = tiny_model(seed=4, **shape), tiny_model(seed=4, **shape).cuda().to(dtype)
+    ids = torch.randint(3, 97, (2, 300))
+    mask = torch.ones(2, 300, dtype=torch.long)
+    mask[1, :50] = 0
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    with torch.no_grad():
+        for args in ((ids,), (ids, mask)):
+            ref = cpu(*args).logits
+            out = gpu(*(a.cuda() for a in args)).logits.float().cpu()
+            real = args[-1].bool() if len(args) == 2 else slice(None)
+            assert (out[real] - ref[real]).abs().max() <= tol * max(1.0, ref.abs().max().item())
+        cache = gpu(ids[:, :200].cuda(), use_cache=True).past_key_values
+        continued = gpu(ids[:, 200:].cuda(), past_key_values=cache).logits.float().cpu()
+        assert (continued - cpu(ids).logits[:, 200:]).abs().max() <= tol * max(1.0, ref.abs().max().item())
+    assert calls and all(device.type == "cuda" for device in calls)
+    if dtype == torch.float32:
+        gpu.train()
+        cpu.train()
+        gpu(ids.cuda(), labels=ids.cuda()).loss.backward()
+        cpu(ids, labels=ids).loss.backward()
+        for (name, a), (_, b) in zip(gpu.named_parameters(), cpu.named_parameters()):
+            assert (a.grad.cpu() - b.grad).abs().max() <= 1e-3 * max(1.0, b.grad.abs().max().item()), name
+
+
 @pytest.mark.parametrize("kind", ["samba", "mamba2"])
 def test_a_model_on_samba_hfs_triton_scans_matches_the_cpu(triton_scans_only, kind):
     from test_mamba2 import tiny_mamba2

@@ -189,6 +189,83 @@ def test_blockwise_sliding_attention_equals_dense(window, past, q_len):
     assert (out.transpose(1, 2)[real[:, None].expand(-1, heads, -1)] - ref[real[:, None].expand(-1, heads, -1)]).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("window, past, q_len", [(8, 0, 37), (8, 7, 20), (200, 0, 300), (200, 199, 150)])
+def test_flex_sliding_attention_equals_the_blockwise_path(window, past, q_len):
+    """The flex_attention path (on a GPU for long sliding-window inputs; eager here) attends to exactly the band and
+    the padding the block-wise path does."""
+    from types import SimpleNamespace
+
+    from samba_hf.modeling_samba import (
+        sliding_window_attention_blockwise,
+        sliding_window_attention_flex,
+        sliding_window_block_mask,
+    )
+
+    g = torch.Generator().manual_seed(window + past + q_len)
+    b, heads, kv_heads, dim = 2, 4, 2, 8
+    q = torch.randn(b, heads, q_len, dim, generator=g)
+    k, v = torch.randn(b, kv_heads, past + q_len, dim, generator=g), torch.randn(b, kv_heads, past + q_len, dim, generator=g)
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads)
+    for padding in (None, torch.ones(b, past + q_len, dtype=torch.bool)):
+        if padding is not None:
+            padding[1, : (past + q_len) // 3] = False  # left padding in the second row
+        mask = sliding_window_block_mask(padding, b, q_len, past + q_len, window, q.device)
+        out = sliding_window_attention_flex(module, q, k, v, mask, dim**-0.5)
+        ref = sliding_window_attention_blockwise(module, q, k, v, padding, window, dim**-0.5)
+        real = slice(None) if padding is None else padding[:, past:]  # queries that are not padding
+        assert out.shape == ref.shape == (b, q_len, heads, dim)
+        assert (out[real] - ref[real]).abs().max() <= 1e-5
+
+
+def test_a_model_through_flex_sliding_attention_equals_the_blockwise_path(monkeypatch):
+    """Where flex_attention is chosen (a GPU), a long prompt, a padded batch and a cached continuation give what the
+    block-wise path gives, and flex_attention ran for every sliding layer. (Its backward runs on a GPU only:
+    tests/test_gpu.py.)"""
+    import samba_hf.modeling_samba as modeling
+
+    model = tiny_model(seed=3)
+    ids = torch.randint(3, 97, (2, 40))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :6] = 0
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        cached = model(ids[:, :25], use_cache=True).past_key_values
+        expected_continued = model(ids[:, 25:], past_key_values=cached).logits
+
+    calls = []
+    flex = modeling.sliding_window_attention_flex
+    monkeypatch.setattr(modeling, "sliding_window_attention_flex", lambda *a: calls.append(1) or flex(*a))
+    monkeypatch.setattr(modeling.SambaModel, "_flex_sliding", lambda self, inputs_embeds: True)
+    sliding_layers = model.config.layer_types.count("sliding_attention")
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask).logits
+        cached = model(ids[:, :25], use_cache=True).past_key_values
+        continued = model(ids[:, 25:], past_key_values=cached).logits
+    assert len(calls) == 3 * sliding_layers  # 25 and 15 tokens: both past the window of 8
+    real = mask.bool()
+    assert (got[real] - expected[real]).abs().max() <= 1e-5
+    assert (continued - expected_continued).abs().max() <= 1e-5
+
+
+def test_flex_attention_that_fails_is_said_once_and_left_out(monkeypatch, caplog):
+    import samba_hf.modeling_samba as modeling
+
+    config = tiny_model().config
+    monkeypatch.setattr(modeling, "_FLEX_ATTENTION_WORKS", {})
+    assert modeling.flex_attention_works(torch.device("cpu"), torch.float32, config)
+
+    def broken(*args):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(modeling, "_FLEX_ATTENTION_WORKS", {})
+    monkeypatch.setattr(modeling, "sliding_window_attention_flex", broken)
+    with caplog.at_level("WARNING"):
+        assert not modeling.flex_attention_works(torch.device("cpu"), torch.bfloat16, config)
+        assert not modeling.flex_attention_works(torch.device("cpu"), torch.bfloat16, config)
+    said = [r.getMessage() for r in caplog.records if "flex_attention" in r.getMessage()]
+    assert len(said) == 1 and "no kernel for this GPU" in said[0] and "block-wise" in said[0]
+
+
 def test_long_inputs_build_no_full_sliding_mask(monkeypatch):
     """Past the window, sliding layers go block by block: the L x L sliding mask builder is never called."""
     import samba_hf.modeling_samba as modeling

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -291,7 +292,98 @@ def sliding_window_attention_blockwise(
     return output.transpose(1, 2).contiguous()
 
 
-# Attention implementations for which a long sliding-window prefill is computed block by block.
+def sliding_window_block_mask(
+    padding_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, window: int, device: torch.device
+):
+    """The sliding-window band of `sliding_window_attention_blockwise` as a flex_attention `BlockMask`: query i
+    (at position kv_len - q_len + i) sees key j iff 0 <= (kv_len - q_len + i) - j < window and key j is not padding.
+    padding_mask (batch, kv_len) bool or None. Built once per forward for all sliding layers (on a GPU by compiled
+    code, as transformers' flex masks are)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    past = kv_len - q_len
+
+    def band(b, h, q_idx, kv_idx):
+        distance = q_idx + past - kv_idx
+        return (distance >= 0) & (distance < window)
+
+    def band_and_padding(b, h, q_idx, kv_idx):
+        return band(b, h, q_idx, kv_idx) & padding_mask[b, kv_idx]
+
+    mask_mod = band if padding_mask is None else band_and_padding
+    return create_block_mask(mask_mod, None if padding_mask is None else batch, None, q_len, kv_len, device=device,
+                             _compile=device.type == "cuda")
+
+
+_COMPILED_FLEX_ATTENTION = None
+
+
+def sliding_window_attention_flex(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_mask,
+    scaling: float,
+) -> torch.Tensor:
+    """The same attention as `sliding_window_attention_blockwise`, through torch's flex_attention with the block mask
+    of `sliding_window_block_mask`: on a GPU one compiled kernel that skips the blocks outside the band (on an H200
+    at 32K, 5x the block-wise path's keys per second; docs/speed.md). Shapes as there; a padded query that sees no
+    key gets zeros. Compiled once (torch.compile's dynamic shapes take the later lengths), eager on a CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _COMPILED_FLEX_ATTENTION
+    attend = flex_attention
+    if query.is_cuda and not torch.compiler.is_compiling():
+        if _COMPILED_FLEX_ATTENTION is None:
+            _COMPILED_FLEX_ATTENTION = torch.compile(flex_attention)
+        attend = _COMPILED_FLEX_ATTENTION
+    output = attend(query, key, value, block_mask=block_mask, scale=scaling,
+                    enable_gqa=module.num_key_value_groups > 1)
+    return output.transpose(1, 2).contiguous()
+
+
+_FLEX_ATTENTION_WORKS: dict = {}
+
+
+def flex_attention_works(device: torch.device, dtype: torch.dtype, config) -> bool:
+    """Whether flex_attention compiles and runs right here: tried once per device, dtype and head shape on a small
+    sliding-window problem against the block-wise path. If it does not, that is said once and the block-wise path
+    runs (not while torch.compile traces: there the block-wise path runs)."""
+    from types import SimpleNamespace
+
+    groups = config.num_attention_heads // config.num_key_value_heads
+    key = (str(device), dtype, config.head_dim, groups)
+    if key not in _FLEX_ATTENTION_WORKS:
+        if torch.compiler.is_compiling():
+            return False
+        module = SimpleNamespace(num_key_value_groups=groups)
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(1, 2 * groups, 300, config.head_dim, generator=g, device=device).to(dtype)
+        k, v = (torch.randn(1, 2, 300, config.head_dim, generator=g, device=device).to(dtype) for _ in range(2))
+        scale, window = config.head_dim**-0.5, 64
+        problem = None
+        try:
+            with torch.no_grad():
+                mask = sliding_window_block_mask(None, 1, 300, 300, window, torch.device(device))
+                got = sliding_window_attention_flex(module, q, k, v, mask, scale).float()
+                want = sliding_window_attention_blockwise(module, q, k, v, None, window, scale).float()
+            tolerance = 1e-3 if dtype == torch.float32 else 3e-2
+            if not (got - want).abs().max() <= tolerance:
+                problem = f"its output differs from the block-wise path's by {(got - want).abs().max().item():.3g}"
+        except Exception as error:  # noqa: BLE001 - any failure of the compiler or the kernel means: not here
+            problem = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if problem is not None:
+            logger.warning_once(
+                f"samba-hf: flex_attention does not work on {device} in {dtype} ({problem}); long sliding-window "
+                "inputs go through the block-wise sdpa path (about 5x slower per key on an H200)."
+            )
+        _FLEX_ATTENTION_WORKS[key] = problem is None
+    return _FLEX_ATTENTION_WORKS[key]
+
+
+# Attention implementations for which a long sliding-window prefill is computed block by block (or, on a GPU,
+# through flex_attention: `SambaModel._flex_sliding`).
 BLOCKWISE_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
@@ -345,6 +437,12 @@ class SambaAttention(nn.Module):
         else:
             dtype = None
 
+        if self.sliding_window is not None and isinstance(attention_mask, BlockMask):  # see SambaModel._mask_mapping
+            attn_output = sliding_window_attention_flex(
+                self, query_states, key_states, value_states, attention_mask, self.scaling
+            )
+            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
+
         if self._is_blockwise(query_states, attention_mask):
             padding = None if attention_mask is None else attention_mask[:, -key_states.shape[2] :]
             attn_output = sliding_window_attention_blockwise(
@@ -392,7 +490,7 @@ class SambaAttention(nn.Module):
             self.sliding_window is not None
             and query.shape[2] > self.sliding_window
             and self.config._attn_implementation in BLOCKWISE_IMPLEMENTATIONS
-            and (attention_mask is None or attention_mask.ndim == 2)
+            and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2))
         )
 
 
@@ -1021,9 +1119,38 @@ class SambaModel(SambaPreTrainedModel):
                 )
             }
             if "sliding_attention" not in mask_mapping and "sliding_attention" in self.config.layer_types:
-                # Long input: sliding layers go block by block from the 2D padding mask (no L x L mask is built).
-                mask_mapping["sliding_attention"] = None if attention_mask is None else attention_mask.bool()
+                # Long input: sliding layers go block by block from the 2D padding mask (no L x L mask is built),
+                # or on a GPU through flex_attention with a block mask of the band.
+                padding = None if attention_mask is None else attention_mask.bool()
+                if self._flex_sliding(inputs_embeds):
+                    q_len = inputs_embeds.shape[1]
+                    kv_len = q_len + self._sliding_cache_length(past_key_values)
+                    padding = None if padding is None or bool(padding.all()) else padding[:, -kv_len:]
+                    padding = sliding_window_block_mask(
+                        padding, inputs_embeds.shape[0], q_len, kv_len, self.config.sliding_window, inputs_embeds.device
+                    )
+                mask_mapping["sliding_attention"] = padding
         return mask_mapping
+
+    def _flex_sliding(self, inputs_embeds: torch.Tensor) -> bool:
+        """Whether the long sliding-window input `_blockwise_sliding` chose goes through flex_attention instead: on a
+        GPU (where it measured 5x the block-wise path per key, docs/speed.md; on a CPU the block-wise path is the one
+        without a compiler), with flex_attention working there (`flex_attention_works`), and no attention dropout
+        to apply (flex_attention has none)."""
+        return (
+            inputs_embeds.is_cuda
+            and not (self.training and self.config.attention_dropout > 0)
+            and flex_attention_works(inputs_embeds.device, inputs_embeds.dtype, self.config)
+        )
+
+    def _sliding_cache_length(self, past_key_values: Cache | None) -> int:
+        """How many positions the sliding layers' cache holds before this input (they all hold the same)."""
+        if past_key_values is None:
+            return 0
+        index = self.config.layer_types.index("sliding_attention")
+        if index >= len(past_key_values.layers) or not past_key_values.layers[index].is_initialized:
+            return 0
+        return past_key_values.layers[index].keys.shape[-2]
 
     def _packed_documents(self, position_ids, attention_mask, past_key_values, batch_size) -> PackedDocuments | None:
         """Documents packed into one row (position_ids restart within a row, no padding), or None."""
