@@ -159,6 +159,19 @@ def test_nan_in_the_source_names_the_tensor_with_and_without_verify(tmp_path, ca
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
+def test_integer_weights_in_the_source_name_the_tensor_with_and_without_verify(tmp_path, capsys):
+    """Every converter's writer checks each tensor's dtype as it streams: integers are never written as weights."""
+    src = tmp_path / "int8.pth"
+    state = official_state_dict(true_model(["mamba", "attn"], seed=2))
+    state["transformer.h.1.attn.proj.weight"] = (state["transformer.h.1.attn.proj.weight"] * 100).to(torch.int8)
+    torch.save(state, src)
+    for verify in ("--verify", "--no-verify"):
+        one_line_error(capsys, ["convert", "lit-gpt", str(src), str(tmp_path / "out"), verify, "--config",
+                                str(write_config(tmp_path))],
+                       "model.layers.1.self_attn.o_proj.weight is int8 in the source checkpoint, not a floating-point")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
 def write_config(tmp_path, **lit_overrides):
     file = tmp_path / "samba-config.json"
     file.write_text(json.dumps(official_config(layers=2, **lit_overrides).to_dict()))

@@ -237,23 +237,32 @@ def export_megatron(src: str | os.PathLike, out: str | os.PathLike, force: bool 
     Megatron-LM checkpoint file in the released layout: `{"model", "args", "checkpoint_version", "iteration"}`, the
     same key names, the interleaved linear_qkv, bfloat16. When OUT is `.../release/mp_rank_00/model_optim_rng.pt`,
     the folder two levels up gets the `latest_checkpointed_iteration.txt` Megatron looks for (if it has none).
-    Returns {"out", "tracker", "cleaned"}."""
+    Returns {"out", "tracker" (the tracker written, or None), "notes", "cleaned"}."""
     src, out = Path(src), Path(out)
+    tracker, notes = None, []  # the tracker to write; an existing one is read before anything is written
+    if out.parent.name == "mp_rank_00" and out.parent.parent.name == "release":
+        tracker = out.parents[2] / megatron.TRACKER
+        if tracker.exists() or tracker.is_symlink():
+            if not tracker.is_file():
+                raise ConversionError(f"{tracker} is not a file: Megatron reads the iteration to load from it. "
+                                      "Remove it, or export elsewhere.")
+            try:
+                iteration = tracker.read_text(errors="replace").strip()
+            except OSError as error:
+                raise ConversionError(f"cannot read {tracker} ({error.strerror or error}): Megatron reads the "
+                                      "iteration to load from it. Make it readable, or export elsewhere.") from None
+            if iteration != "release":
+                notes.append(f"{tracker} names another iteration, so Megatron will not load this export from "
+                             f"{out.parents[2]} unless it says 'release' (it was left as it is)")
+            tracker = None  # left as it is
     model, cleaned = load_for_export(src, out, force)
     megatron.check_exportable(model.config, src)
     state = megatron.to_megatron(model.state_dict(), model.config)
     write_checkpoint({"model": state, "args": megatron.megatron_args(model.config), "checkpoint_version": 3.0,
                       "iteration": 0, EXPORT_MARKER: __version__}, out)
-    tracker, notes = None, []
-    if out.parent.name == "mp_rank_00" and out.parent.parent.name == "release":
-        path = out.parents[2] / megatron.TRACKER
-        if not path.exists():
-            with os_errors(path):
-                path.write_text("release")
-            tracker = path
-        elif path.read_text(errors="replace").strip() != "release":
-            notes.append(f"{path} names another iteration, so Megatron will not load this export from "
-                         f"{out.parents[2]} unless it says 'release' (it was left as it is)")
+    if tracker is not None:
+        with os_errors(tracker):
+            tracker.write_text("release")
     return {"out": out, "tracker": tracker, "notes": notes, "cleaned": cleaned}
 
 
