@@ -24,7 +24,7 @@ from .. import __version__
 from ..configuration_samba import SambaConfig
 from . import fla, lit_gpt, megatron, transformers_models
 from .checkpoint import Checkpoint, ConversionError
-from .tokenizer import TOKENIZER_FILES, check_fits, save_tokenizer
+from .tokenizer import TOKENIZER_FILES, check_fits, checked_tokenizer
 from .verify import AUTO_VERIFY_MAX_PARAMS, verify
 from .writer import (
     DTYPES,
@@ -183,18 +183,18 @@ def convert(
         verify_parity = params <= AUTO_VERIFY_MAX_PARAMS
     command = command or "samba_hf.conversion.convert(" + ", ".join(repr(str(a)) for a in (source, src, out)) + ")"
 
-    sentencepiece = None
+    hf_tokenizer = None  # loaded and checked before the weights are converted
     if source == "megatron" and tokenizer is not None:  # Megatron's GPTSentencePieceTokenizer, reproduced exactly
-        sentencepiece = megatron_tokenizer(tokenizer, samba_config)
+        hf_tokenizer = megatron_tokenizer(tokenizer, samba_config)
+    elif tokenizer is not None:
+        add_bos = False if source == "lit-gpt" else None  # the official runs packed documents without BOS
+        hf_tokenizer = checked_tokenizer(tokenizer, samba_config.vocab_size, add_bos)
 
     with atomic_folder(out, force, sources) as folder:
         write_safetensors(folder, tensors, shapes, dtype, shard_bytes, progress=progress)
         write_config_and_code(folder, samba_config, dtype)
-        if sentencepiece is not None:
-            sentencepiece.save_pretrained(folder)
-        elif tokenizer is not None:
-            add_bos = False if source == "lit-gpt" else None  # the official runs packed documents without BOS
-            save_tokenizer(tokenizer, folder, samba_config.vocab_size, add_bos)
+        if hf_tokenizer is not None:
+            hf_tokenizer.save_pretrained(folder)
         parity = verify(source, checkpoint, samba_config, folder, dtype)[1] if verify_parity else None
         write_model_card(folder, source, str(src), command, parity or "not verified (pass --verify to measure it)",
                          samba_config, **source_card(checkpoint))
