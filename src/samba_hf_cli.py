@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the text to continue")
     gen.add_argument("--model", default=None, help="a Samba model folder or Hub name (default: the embedded model)")
     gen.add_argument("--tokenizer", default=None,
-                     help="a tokenizer folder or Hub name (default: the one in the model folder)")
+                     help="a tokenizer folder, Hub name or SentencePiece .model file (default: the one in the "
+                          "model folder)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=None, help="with --do-sample (default 1.0)")
@@ -196,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--model", default=None,
                        help="a model folder or Hub name, any causal LM transformers loads (default: the embedded "
                             + ("passkey-tuned Samba)" if task == "passkey" else "default Samba)"))
-        t.add_argument("--tokenizer", default=None, help="default: the model folder's")
+        t.add_argument("--tokenizer", default=None,
+                       help="a tokenizer folder, Hub name or SentencePiece .model file (default: the model folder's)")
         if task == "passkey":
             t.add_argument("--lengths", default="512,2048,8192,32768", help="prompt lengths in tokens")
             t.add_argument("--depths", default="0,0.5,1", help="where the key sits: 0 = first, 1 = last")

@@ -297,3 +297,54 @@ def test_damaged_args_are_one_error(tmp_path, capsys):
                                                                    hybrid_attention_ratio="lots"))
     one_line_error(capsys, ["convert", "megatron", str(tmp_path / "src"), str(tmp_path / "out")],
                    "args.hybrid_attention_ratio is 'lots'")
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-verify"]])
+def test_untied_args_without_the_output_layer_are_refused(tmp_path, capsys, flags):
+    """A file without output_layer.weight is a tied model only when its args do not say otherwise."""
+    src = damaged(tmp_path, lambda state: state.pop("output_layer.weight"))  # args: untie_embeddings_... True
+    one_line_error(capsys, ["convert", "megatron", str(src), str(tmp_path / "out"), *flags],
+                   "no output_layer.weight", "untie_embeddings_and_output_weights=True", "Nothing was written")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_tied_args_give_a_tied_model_and_refuse_an_output_layer(tmp_path, capsys):
+    state = random_megatron_state(PATTERN, GEOMETRY, seed=8)
+    save_megatron_checkpoint(tmp_path / "with", state, release_args(untie_embeddings_and_output_weights=False))
+    one_line_error(capsys, ["convert", "megatron", str(tmp_path / "with"), str(tmp_path / "out"), "--no-verify"],
+                   "unexpected (1): output_layer.weight")
+    state.pop("output_layer.weight")
+    save_megatron_checkpoint(tmp_path / "tied", state, release_args(untie_embeddings_and_output_weights=False))
+    result = convert("megatron", tmp_path / "tied", tmp_path / "out", verify_parity=False, progress=False)
+    assert result["config"].tie_word_embeddings
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool])
+def test_non_float_weights_are_refused_by_name_without_verify(tmp_path, capsys, dtype):
+    """--no-verify (the default above 1B parameters) checks every tensor's dtype as it streams."""
+    def quantize(state):
+        state["decoder.layers.0.mixer.in_proj.weight"] = (state["decoder.layers.0.mixer.in_proj.weight"] * 10).to(dtype)
+
+    src = damaged(tmp_path, quantize)
+    one_line_error(capsys, ["convert", "megatron", str(src), str(tmp_path / "out"), "--no-verify"],
+                   "model.layers.0.mamba.in_proj.weight", str(dtype).removeprefix("torch."),
+                   "not a floating-point type", "Nothing was written")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_all_int8_weights_are_refused(tmp_path, capsys):
+    src = damaged(tmp_path, lambda state: state.update({k: (v * 10).to(torch.int8) for k, v in state.items()}))
+    one_line_error(capsys, ["convert", "megatron", str(src), str(tmp_path / "out"), "--no-verify"],
+                   "model.embed_tokens.weight is int8")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_export_to_a_tracker_that_is_a_folder_writes_nothing(release, tmp_path, capsys):
+    folder, _ = release
+    convert("megatron", folder, tmp_path / "hf", progress=False)
+    (tmp_path / "m" / "latest_checkpointed_iteration.txt").mkdir(parents=True)
+    out = tmp_path / "m" / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    one_line_error(capsys, ["export", "megatron", str(tmp_path / "hf"), str(out)],
+                   "latest_checkpointed_iteration.txt is not a file", "export elsewhere")
+    assert not (tmp_path / "m" / "release").exists()
+    assert [p.name for p in (tmp_path / "m").iterdir()] == ["latest_checkpointed_iteration.txt"]

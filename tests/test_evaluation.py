@@ -375,3 +375,42 @@ def test_eval_interrupted_while_writing_leaves_no_partial_file(capsys, tmp_path,
     assert "interrupted" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["passkey.json"]  # complete; no plot, no temporary file
     assert json.loads((out / "passkey.json").read_text())["cells"][0]["length"] == 150
+
+
+def test_eval_and_generate_take_a_sentencepiece_model_file(capsys, tmp_path, llama_folder):
+    """`--tokenizer FILE.model` is read as `convert` reads it (tokenizer_from_sentencepiece), by eval and generate
+    alike; a damaged one, or another kind of file, is one error line that says what --tokenizer takes."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf")
+    import io
+
+    from conftest import tiny_model
+    from samba_hf.conversion.sentencepiece_tokenizer import tokenizer_from_sentencepiece
+    from samba_hf.model_folder import tokenizer_for
+
+    blob = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([PASSKEY_FILLER, PASSKEY_INSTRUCTION, "The pass key is 12345. Remember it."] * 20),
+        model_writer=blob, vocab_size=320, model_type="bpe", byte_fallback=True, minloglevel=2, hard_vocab_limit=False)
+    model_file = tmp_path / "tokenizer.model"
+    model_file.write_bytes(blob.getvalue())
+    tiny_model(vocab_size=400).save_pretrained(tmp_path / "samba")  # no tokenizer of its own
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+    text = "The grass is green. The pass key is 90817."
+    tokenizer = tokenizer_for(tmp_path / "samba", model_file)
+    assert tokenizer(text).input_ids == sp.encode_as_ids(text)
+    assert tokenizer.get_vocab() == tokenizer_from_sentencepiece(model_file).get_vocab()
+    eval_argv = ["eval", "passkey", "--model", str(llama_folder), "--lengths", "300", "--depths", "0", "--trials", "1",
+                 "--tokenizer", str(model_file)]
+    generate_argv = ["generate", "The grass is green.", "--model", str(tmp_path / "samba"), "--max-new-tokens", "2",
+                     "--tokenizer", str(model_file)]
+    assert main(eval_argv) == 0
+    assert main(generate_argv) == 0
+    capsys.readouterr()
+    (tmp_path / "cut.model").write_bytes(blob.getvalue()[:100])
+    (tmp_path / "tokenizer.json").write_text("{}")
+    for argv in (eval_argv, generate_argv):
+        one_line_error(capsys, [*argv[:-1], str(tmp_path / "cut.model")], "cut.model is not a SentencePiece model")
+        one_line_error(capsys, [*argv[:-1], str(tmp_path / "tokenizer.json")],
+                       "--tokenizer takes a tokenizer folder (tokenizer.json, tokenizer_config.json, ...), a Hub name "
+                       "or a SentencePiece .model file")

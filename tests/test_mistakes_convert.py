@@ -159,6 +159,19 @@ def test_nan_in_the_source_names_the_tensor_with_and_without_verify(tmp_path, ca
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
+def test_integer_weights_in_the_source_name_the_tensor_with_and_without_verify(tmp_path, capsys):
+    """Every converter's writer checks each tensor's dtype as it streams: integers are never written as weights."""
+    src = tmp_path / "int8.pth"
+    state = official_state_dict(true_model(["mamba", "attn"], seed=2))
+    state["transformer.h.1.attn.proj.weight"] = (state["transformer.h.1.attn.proj.weight"] * 100).to(torch.int8)
+    torch.save(state, src)
+    for verify in ("--verify", "--no-verify"):
+        one_line_error(capsys, ["convert", "lit-gpt", str(src), str(tmp_path / "out"), verify, "--config",
+                                str(write_config(tmp_path))],
+                       "model.layers.1.self_attn.o_proj.weight is int8 in the source checkpoint, not a floating-point")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
 def write_config(tmp_path, **lit_overrides):
     file = tmp_path / "samba-config.json"
     file.write_text(json.dumps(official_config(layers=2, **lit_overrides).to_dict()))
@@ -398,3 +411,35 @@ def test_a_source_folders_tokenizer_is_kept_without_tokenizer_flag(tmp_path, cap
     assert main(["convert", "mamba", str(tmp_path / "bare"), str(tmp_path / "out2"), "--no-verify"]) == 0
     assert "no tokenizer written (the source has none beside it); pass --tokenizer" in capsys.readouterr().err
     assert not any((tmp_path / "out2" / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def sentencepiece_model() -> bytes:
+    """A small SentencePiece BPE model, trained here."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(["Mamba layers read the sequence once."] * 40),
+                                             model_writer=model, vocab_size=60, model_type="bpe", minloglevel=2,
+                                             hard_vocab_limit=False)
+    return model.getvalue()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_a_damaged_sentencepiece_tokenizer_is_named_before_converting(tmp_path, capsys, damage):
+    """One check of .model files for every converter (convert megatron's too): not transformers' guess at another
+    format ("`tiktoken` is required")."""
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf")
+    blob = sentencepiece_model()
+    src = save_official(tmp_path, true_model(["mamba", "attn"], seed=2))
+    argv = ["convert", "lit-gpt", str(src), str(tmp_path / "out"), "--config", str(write_config(tmp_path)),
+            "--tokenizer", str(tmp_path / "tokenizer.model")]
+    (tmp_path / "tokenizer.model").write_bytes(blob)
+    assert main(argv) == 0  # the whole file converts
+    (tmp_path / "tokenizer.model").write_bytes({"garbage": b"\x0a\x05hello, not a model" * 3,
+                                               "truncated": blob[: len(blob) // 2], "empty": b""}[damage])
+    one_line_error(capsys, [*argv[:3], str(tmp_path / "out2"), *argv[4:]],
+                   f"{tmp_path / 'tokenizer.model'} is not a SentencePiece model", "truncated, corrupt")
+    assert not (tmp_path / "out2").exists() and not leftovers(tmp_path)

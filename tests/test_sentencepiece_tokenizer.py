@@ -300,3 +300,14 @@ def test_unsupported_settings_are_refused(tmp_path):
     (tmp_path / "garbage.model").write_bytes(b"not a model")
     with pytest.raises(ConversionError, match="SentencePiece model"):
         tokenizer_from_sentencepiece(tmp_path / "garbage.model")
+
+
+def test_a_truncated_model_is_not_a_sentencepiece_model(tmp_path):
+    """A file cut anywhere, even between two pieces (where protobuf parses what is left), is refused as such."""
+    blob = train(**CONFIGS["bpe_identity"])
+    between_pieces = edited(blob, lambda proto: (proto.ClearField("trainer_spec"), proto.ClearField("normalizer_spec")))
+    assert blob.startswith(between_pieces[:-8])
+    for cut in (b"", blob[:7], blob[: len(blob) // 3], between_pieces, blob[:-3]):
+        (tmp_path / "cut.model").write_bytes(cut)
+        with pytest.raises(ConversionError, match=r"cut.model is not a SentencePiece model .*: the file is truncated"):
+            tokenizer_from_sentencepiece(tmp_path / "cut.model")

@@ -133,12 +133,13 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = "auto", confi
 
 
 def tokenizer_for(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None):
-    """The tokenizer to run the model folder (or Hub name) `path` with: its own, or `tokenizer` (a folder or Hub
-    name), completed from a local model folder with what its tokenizer_config.json / chat_template.jinja define and
-    the tokenizer lacks: the added tokens (each at the model's id, or ModelFolderError) and the chat template."""
+    """The tokenizer to run the model folder (or Hub name) `path` with: its own, or `tokenizer` (a folder, a Hub
+    name or a SentencePiece .model file), completed from a local model folder with what its tokenizer_config.json /
+    chat_template.jinja define and the tokenizer lacks: the added tokens (each at the model's id, or
+    ModelFolderError) and the chat template."""
     from transformers import AddedToken, AutoTokenizer
 
-    loaded = AutoTokenizer.from_pretrained(tokenizer or path)
+    loaded = AutoTokenizer.from_pretrained(path) if tokenizer is None else load_tokenizer(tokenizer)
     folder = Path(path)
     if tokenizer is None or not folder.is_dir():
         return loaded
@@ -167,6 +168,23 @@ def tokenizer_for(path: str | os.PathLike, tokenizer: str | os.PathLike | None =
     if loaded.chat_template is None and isinstance(template, str):
         loaded.chat_template = template
     return loaded
+
+
+def load_tokenizer(tokenizer: str | os.PathLike):
+    """A tokenizer folder or Hub name through AutoTokenizer; a SentencePiece .model file as `convert` reads one
+    (`tokenizer_from_sentencepiece`: it encodes as SentencePiece does, adding no BOS or EOS)."""
+    from transformers import AutoTokenizer
+
+    path = Path(tokenizer)
+    if path.is_file() and path.suffix == ".model":
+        from .conversion.sentencepiece_tokenizer import tokenizer_from_sentencepiece
+
+        return tokenizer_from_sentencepiece(path)
+    if path.is_file():
+        raise ModelFolderError(f"{str(tokenizer)!r} is a file but not a SentencePiece .model; --tokenizer takes a "
+                               "tokenizer folder (tokenizer.json, tokenizer_config.json, ...), a Hub name or a "
+                               "SentencePiece .model file")
+    return AutoTokenizer.from_pretrained(tokenizer)
 
 
 def end_of_turn_id(tokenizer) -> int | None:

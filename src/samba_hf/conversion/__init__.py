@@ -24,7 +24,7 @@ from .. import __version__
 from ..configuration_samba import SambaConfig
 from . import fla, lit_gpt, megatron, transformers_models
 from .checkpoint import Checkpoint, ConversionError
-from .tokenizer import TOKENIZER_FILES, check_fits, save_tokenizer
+from .tokenizer import TOKENIZER_FILES, check_fits, checked_tokenizer
 from .verify import AUTO_VERIFY_MAX_PARAMS, verify
 from .writer import (
     DTYPES,
@@ -183,18 +183,18 @@ def convert(
         verify_parity = params <= AUTO_VERIFY_MAX_PARAMS
     command = command or "samba_hf.conversion.convert(" + ", ".join(repr(str(a)) for a in (source, src, out)) + ")"
 
-    sentencepiece = None
+    hf_tokenizer = None  # loaded and checked before the weights are converted
     if source == "megatron" and tokenizer is not None:  # Megatron's GPTSentencePieceTokenizer, reproduced exactly
-        sentencepiece = megatron_tokenizer(tokenizer, samba_config)
+        hf_tokenizer = megatron_tokenizer(tokenizer, samba_config)
+    elif tokenizer is not None:
+        add_bos = False if source == "lit-gpt" else None  # the official runs packed documents without BOS
+        hf_tokenizer = checked_tokenizer(tokenizer, samba_config.vocab_size, add_bos)
 
     with atomic_folder(out, force, sources) as folder:
         write_safetensors(folder, tensors, shapes, dtype, shard_bytes, progress=progress)
         write_config_and_code(folder, samba_config, dtype)
-        if sentencepiece is not None:
-            sentencepiece.save_pretrained(folder)
-        elif tokenizer is not None:
-            add_bos = False if source == "lit-gpt" else None  # the official runs packed documents without BOS
-            save_tokenizer(tokenizer, folder, samba_config.vocab_size, add_bos)
+        if hf_tokenizer is not None:
+            hf_tokenizer.save_pretrained(folder)
         parity = verify(source, checkpoint, samba_config, folder, dtype)[1] if verify_parity else None
         write_model_card(folder, source, str(src), command, parity or "not verified (pass --verify to measure it)",
                          samba_config, **source_card(checkpoint))
@@ -237,23 +237,32 @@ def export_megatron(src: str | os.PathLike, out: str | os.PathLike, force: bool 
     Megatron-LM checkpoint file in the released layout: `{"model", "args", "checkpoint_version", "iteration"}`, the
     same key names, the interleaved linear_qkv, bfloat16. When OUT is `.../release/mp_rank_00/model_optim_rng.pt`,
     the folder two levels up gets the `latest_checkpointed_iteration.txt` Megatron looks for (if it has none).
-    Returns {"out", "tracker", "cleaned"}."""
+    Returns {"out", "tracker" (the tracker written, or None), "notes", "cleaned"}."""
     src, out = Path(src), Path(out)
+    tracker, notes = None, []  # the tracker to write; an existing one is read before anything is written
+    if out.parent.name == "mp_rank_00" and out.parent.parent.name == "release":
+        tracker = out.parents[2] / megatron.TRACKER
+        if tracker.exists() or tracker.is_symlink():
+            if not tracker.is_file():
+                raise ConversionError(f"{tracker} is not a file: Megatron reads the iteration to load from it. "
+                                      "Remove it, or export elsewhere.")
+            try:
+                iteration = tracker.read_text(errors="replace").strip()
+            except OSError as error:
+                raise ConversionError(f"cannot read {tracker} ({error.strerror or error}): Megatron reads the "
+                                      "iteration to load from it. Make it readable, or export elsewhere.") from None
+            if iteration != "release":
+                notes.append(f"{tracker} names another iteration, so Megatron will not load this export from "
+                             f"{out.parents[2]} unless it says 'release' (it was left as it is)")
+            tracker = None  # left as it is
     model, cleaned = load_for_export(src, out, force)
     megatron.check_exportable(model.config, src)
     state = megatron.to_megatron(model.state_dict(), model.config)
     write_checkpoint({"model": state, "args": megatron.megatron_args(model.config), "checkpoint_version": 3.0,
                       "iteration": 0, EXPORT_MARKER: __version__}, out)
-    tracker, notes = None, []
-    if out.parent.name == "mp_rank_00" and out.parent.parent.name == "release":
-        path = out.parents[2] / megatron.TRACKER
-        if not path.exists():
-            with os_errors(path):
-                path.write_text("release")
-            tracker = path
-        elif path.read_text(errors="replace").strip() != "release":
-            notes.append(f"{path} names another iteration, so Megatron will not load this export from "
-                         f"{out.parents[2]} unless it says 'release' (it was left as it is)")
+    if tracker is not None:
+        with os_errors(tracker):
+            tracker.write_text("release")
     return {"out": out, "tracker": tracker, "notes": notes, "cleaned": cleaned}
 
 

@@ -255,6 +255,21 @@ def check_args(checkpoint: MegatronCheckpoint, pattern: str):
         raise ConversionError(f"{checkpoint.path}: " + "; ".join(problems) + ". Nothing was written.")
 
 
+def tied_embeddings(checkpoint: MegatronCheckpoint) -> bool:
+    """Whether the output layer is the embedding matrix: as args.untie_embeddings_and_output_weights says when
+    recorded (an output_layer.weight in a tied file is then refused by `plan`'s layout check), else whether the file
+    holds no output_layer.weight."""
+    untied = checkpoint.args.get("untie_embeddings_and_output_weights")
+    if untied is True and "output_layer.weight" not in checkpoint:
+        raise ConversionError(
+            f"{checkpoint.path} has no output_layer.weight, but its args say the output layer is not the embedding "
+            "matrix (untie_embeddings_and_output_weights=True): the file is incomplete or damaged. Nothing was written."
+        )
+    if isinstance(untied, bool):
+        return not untied
+    return "output_layer.weight" not in checkpoint
+
+
 def config_from_checkpoint(checkpoint: MegatronCheckpoint) -> SambaConfig:
     """The samba-hf config of the checkpoint: the block pattern from its keys (checked against its args), sizes from
     its shapes and args; Mamba-2 groups and state size from args when recorded, else the release's (8, 128)."""
@@ -265,7 +280,7 @@ def config_from_checkpoint(checkpoint: MegatronCheckpoint) -> SambaConfig:
     fields = dict(hybrid_override_pattern=pattern, vocab_size=vocab, hidden_size=hidden, use_rope=False,
                   sliding_window=None, mlp_gated=False, mlp_hidden_act="relu2" if args.get("squared_relu") else "gelu",
                   rms_norm_eps=float(args.get("norm_epsilon", 1e-5)), mamba_version=2, intermediate_size=0,
-                  tie_word_embeddings="output_layer.weight" not in checkpoint, bos_token_id=None, eos_token_id=None,
+                  tie_word_embeddings=tied_embeddings(checkpoint), bos_token_id=None, eos_token_id=None,
                   max_position_embeddings=args.get("max_position_embeddings") or args.get("seq_length") or 4096)
     if "-" in pattern:
         fields["intermediate_size"] = shape(f"decoder.layers.{pattern.index('-')}.mlp.linear_fc1.weight")[0]

@@ -92,6 +92,14 @@ def tokenizer_from_sentencepiece(model_file: str | os.PathLike, *, strict: bool 
     setting that cannot be reproduced; `strict=True` also for those reproduced on all but some texts (the module
     docstring lists them).
     """
+    proto, processor = read_sentencepiece(model_file)
+    return _Converter(proto, str(model_file), strict, processor).build()
+
+
+def read_sentencepiece(model_file: str | os.PathLike):
+    """(the ModelProto, a SentencePieceProcessor) of a SentencePiece `.model` file; `ConversionError` saying that the
+    file is not a SentencePiece model when it is empty, truncated, corrupt or of another format. Every tokenizer
+    read from a `.model` file is checked here first."""
     try:
         import sentencepiece
         from sentencepiece import sentencepiece_model_pb2
@@ -102,13 +110,20 @@ def tokenizer_from_sentencepiece(model_file: str | os.PathLike, *, strict: bool 
     path = Path(model_file)
     try:
         blob = path.read_bytes()
+    except OSError as error:
+        raise ConversionError(f"cannot read {path} ({error.strerror or error}).") from None
+    try:
         proto = sentencepiece_model_pb2.ModelProto()
         proto.ParseFromString(blob)
+        # A file cut short between two pieces still parses: its settings, written after the pieces, are then missing.
+        if not proto.pieces or not (proto.HasField("trainer_spec") and proto.HasField("normalizer_spec")):
+            raise ValueError("no pieces" if not proto.pieces else "its trainer and normalizer settings are missing")
         processor = sentencepiece.SentencePieceProcessor(model_proto=blob)
     except Exception as error:
-        why = str(error).splitlines()[0] if str(error) else ""
-        raise ConversionError(f"cannot read {path} as a SentencePiece model ({type(error).__name__}: {why}).") from None
-    return _Converter(proto, str(path), strict, processor).build()
+        why = f"{type(error).__name__}: {str(error).splitlines()[0]}" if str(error) else type(error).__name__
+        raise ConversionError(f"{path} is not a SentencePiece model ({why}): the file is truncated, corrupt or of "
+                              "another format. Pass the tokenizer's .model file as trained.") from None
+    return proto, processor
 
 
 class _Converter:

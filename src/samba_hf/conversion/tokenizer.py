@@ -15,8 +15,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 def load_tokenizer(path: str | Path, add_bos: bool | None) -> PreTrainedTokenizerBase:
     """`add_bos=False` forces a tokenizer that adds no BOS (the official Samba checkpoints were trained without
     one); None keeps the tokenizer's own setting."""
+    from .sentencepiece_tokenizer import read_sentencepiece
+
     path = Path(path)
     options = {} if add_bos is None else {"add_bos_token": add_bos}
+    if path.is_file() and path.suffix == ".model":
+        read_sentencepiece(path)  # a damaged file is said as such (transformers would go on to guess other formats)
     try:
         if path.is_file() and path.suffix == ".model":  # SentencePiece (the Llama-2 tokenizer of the official runs)
             with tempfile.TemporaryDirectory() as folder:
@@ -40,10 +44,11 @@ def check_fits(tokenizer: PreTrainedTokenizerBase, vocab_size: int):
         )
 
 
-def save_tokenizer(path: str | Path, folder: Path, vocab_size: int, add_bos: bool | None):
+def checked_tokenizer(path: str | Path, vocab_size: int, add_bos: bool | None) -> PreTrainedTokenizerBase:
+    """The tokenizer to write with a converted model, loaded and checked before anything is written."""
     tokenizer = load_tokenizer(path, add_bos)
     check_fits(tokenizer, vocab_size)
     ids = tokenizer("Samba").input_ids
     if add_bos is False and tokenizer.bos_token_id is not None and ids and ids[0] == tokenizer.bos_token_id:
         raise ConversionError(f"the tokenizer {path} still adds a BOS token; the model was trained without one.")
-    tokenizer.save_pretrained(folder)
+    return tokenizer

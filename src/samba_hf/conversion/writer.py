@@ -215,7 +215,8 @@ def write_safetensors(
     progress: bool = True,
 ):
     """Write `tensors` (name -> producer) as safetensors shards of at most `max_shard_size` bytes (a tensor larger
-    than that gets a shard of its own), with an index when there is more than one shard."""
+    than that gets a shard of its own), with an index when there is more than one shard. Every tensor is checked as
+    it streams, verified or not: a floating-point dtype, and finite once cast."""
     if set(tensors) != set(shapes):  # a converter bug, not a user error
         raise RuntimeError(f"conversion plan does not cover the model: {sorted(set(tensors) ^ set(shapes))[:5]}")
 
@@ -244,6 +245,11 @@ def write_safetensors(
                 tensor = tensors[name]()
                 if tuple(tensor.shape) != tuple(shapes[name]):
                     raise RuntimeError(f"{name}: produced {list(tensor.shape)}, model expects {list(shapes[name])}")
+                if not tensor.is_floating_point():  # quantized or damaged: casting would write integers as weights
+                    raise ConversionError(
+                        f"{name} is {str(tensor.dtype).removeprefix('torch.')} in the source checkpoint, not a "
+                        "floating-point type: samba-hf converts floating-point weights (dequantize a quantized "
+                        "checkpoint first). Nothing was written.")
                 cast = tensor.to(torch.float32 if keeps_float32(name) else dtype).contiguous()
                 if not bool(torch.isfinite(cast).all()):
                     raise ConversionError(non_finite_message(name, tensor, cast.dtype))
