@@ -814,7 +814,16 @@ class SambaPreTrainedModel(PreTrainedModel):
             return stat.st_mtime_ns, stat.st_ino, stat.st_size
 
         before = {path: stamp(path) for path in (single, index)}
-        super().save_pretrained(save_directory, *args, **kwargs)
+        # A model sharded by FSDP2 is an instance of a class torch made (`FSDPSambaForCausalLM`, in torch's
+        # _fsdp_init.py): named as it is, the folder's remote code would be torch's FSDP files. Save the model's class.
+        made, saved_class = type(self), next(c for c in type(self).__mro__ if not c.__module__.startswith("torch."))
+        named = made.__module__, made.__name__, made.__qualname__
+        made.__module__, made.__name__, made.__qualname__ = (saved_class.__module__, saved_class.__name__,
+                                                             saved_class.__qualname__)
+        try:
+            super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            made.__module__, made.__name__, made.__qualname__ = named
         if kwargs.get("is_main_process", True):
             written = [path for path in (single, index) if stamp(path) not in (None, before[path])]
             if len(written) == 1:  # the other one, if there, is an earlier save's
@@ -826,6 +835,35 @@ class SambaPreTrainedModel(PreTrainedModel):
                     card.write(model_card(self.config, "Samba model", "Saved with samba-hf's `save_pretrained`."))
             except FileExistsError:
                 pass
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """transformers' load-time FSDP2 (`from_pretrained(distributed_config=DistributedConfig(fsdp_size=N))`: each
+        SambaDecoderLayer a unit, from the config's `base_model_fsdp_plan`), with one change under
+        `fsdp_mixed_precision`. Its bf16 policy casts every parameter of a unit, so A_log, D and dt_bias would be
+        all-gathered and used in bf16 (FSDP2 allows one dtype per unit). Each Mamba mixer's own parameters therefore
+        become a unit of their own with a float32 policy, its projections and conv a bf16 unit inside it: A_log, D and
+        dt_bias stay float32 in the forward, the backward and the gradient reduction (two more all-gathers per Mamba
+        layer). Only on a pure FSDP mesh (no tensor, pipeline or expert parallelism)."""
+        config = distributed_config
+        if (mesh_manager is not None and config is not None and config.fsdp_mixed_precision and config.dp_size > 1
+                and config.tp_size == config.pp_size == config.ep_size == 1):
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from transformers.distributed.fsdp import _get_fsdp_policy_kwargs
+
+            mesh = mesh_manager.get_mesh(("dp_replicate", "fsdp") if config.dp_replicate_size > 1 else "fsdp")
+            policy = _get_fsdp_policy_kwargs(config)  # transformers' own: bf16 parameters, float32 reduction
+            float32 = {**policy, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                   reduce_dtype=torch.float32,
+                                                                   cast_forward_inputs=False)}
+            for module in model.modules():
+                if isinstance(module, (SambaMambaMixer, SambaMamba2Mixer)):
+                    # one unit for the children: causal_conv reads conv1d.weight without calling the module (CPU
+                    # and kernel paths), so it must be gathered with in_proj, which runs first
+                    children = [child for child in module.children() if next(child.parameters(), None) is not None]
+                    fully_shard(children, mesh=mesh, reshard_after_forward=True, **policy)
+                    fully_shard(module, mesh=mesh, reshard_after_forward=True, **float32)
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -1216,6 +1254,7 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}  # with the final norm, one unit kept gathered for the backward
 
     def __init__(self, config: SambaConfig):
         super().__init__(config)
