@@ -17,12 +17,13 @@ from conftest import tiny_config, tiny_model
 # What the error says each typed field of SambaConfig must be, and values of the wrong type for it.
 TYPED_FIELDS = {
     **dict.fromkeys(
-        ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-         "max_position_embeddings", "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size",
-         "mamba_version", "mamba2_head_dim", "mamba2_n_groups", "mamba2_chunk_size"],
+        ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings",
+         "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size", "mamba_version", "mamba2_head_dim",
+         "mamba2_n_groups", "mamba2_chunk_size"],
         "an int",
     ),
-    **dict.fromkeys(["num_key_value_heads", "head_dim", "sliding_window", "pad_token_id", "bos_token_id"], "an int or None"),
+    **dict.fromkeys(["num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window", "pad_token_id",
+                     "bos_token_id"], "an int or None"),
     "eos_token_id": "an int, a list of ints or None",
     "mamba_dt_rank": 'a positive int or "auto"',
     **dict.fromkeys(
