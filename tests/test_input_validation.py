@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from samba_hf import SambaConfig
+from samba_hf import SambaConfig, SambaForCausalLM, SambaYConfig, SambaYForCausalLM
 
 from conftest import tiny_config, tiny_model
 
@@ -126,6 +126,28 @@ def test_bad_values_in_config_json_are_named_on_load(tmp_path, field, value):
                  lambda folder: SambaConfig.from_dict({**fields, field: value})):
         with raises(message):
             load(tmp_path)
+
+
+@pytest.mark.parametrize("pad", [97, 1000, -98])
+def test_pad_token_id_outside_the_vocabulary_is_refused_when_the_model_is_built(tmp_path, pad):
+    # as transformers' Llama (its nn.Embedding asserts on the padding row): the config takes it, the model does not
+    message = rf"^SambaConfig: `pad_token_id` is {pad}, outside the vocabulary of 97 tokens \(ids 0..96\)"
+    config = tiny_config(pad_token_id=pad)
+    with raises(message):
+        SambaForCausalLM(config)
+    SambaForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "pad_token_id": pad}))
+    with raises(message):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    with raises(r"^SambaYConfig: `pad_token_id` is 64, outside the vocabulary of 64 tokens"):
+        SambaYForCausalLM(SambaYConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=64))
+
+
+@pytest.mark.parametrize("pad", [None, 0, 96, -1, -97])
+def test_pad_token_ids_llama_takes_are_taken(pad):
+    SambaForCausalLM(tiny_config(pad_token_id=pad))
 
 
 @pytest.fixture(scope="module")

@@ -698,6 +698,17 @@ class SambaPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"hidden_states": SambaDecoderLayer, "attentions": SambaAttention}
     _auto_model_entry = "modeling_samba.SambaModel"  # the base model, for `auto_map["AutoModel"]` in saved folders
 
+    def __init__(self, config, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        # Refused where transformers' Llama refuses it, when the model is built (its nn.Embedding asserts on the
+        # padding row); the same range: -vocab_size..vocab_size - 1 (negative ids count from the end) or None.
+        pad, vocab = config.pad_token_id, config.vocab_size
+        if pad is not None and not -vocab <= pad < vocab:
+            raise ValueError(
+                f"{type(config).__name__}: `pad_token_id` is {pad}, outside the vocabulary of {vocab} tokens (ids "
+                f"0..{vocab - 1}): set it to a token of the vocabulary (the tokenizer's pad or eos token), or to None."
+            )
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained, plus what tools that never import samba_hf need: an `auto_map` entry for
         `AutoModel` too (transformers writes only the saved class's), and a model card with Hub metadata when the
