@@ -273,3 +273,13 @@ def test_cache_filled_by_a_model_of_other_widths(model, ids):
 def test_cache_that_is_not_a_cache(model, ids):
     with raises(r"past_key_values must be a transformers Cache, got tuple"):
         model(ids, past_key_values=((torch.zeros(1), torch.zeros(1)),), use_cache=True)
+
+
+def test_inputs_embeds_of_an_integer_dtype(model, ids):
+    embeds = torch.ones(2, 6, model.config.hidden_size, dtype=torch.long)
+    with raises(r"^inputs_embeds must be floating point \(embedding vectors\), got dtype torch.int64: pass token ids "
+                r"as `input_ids`"):
+        model(inputs_embeds=embeds)
+    with raises(r"got dtype torch.int32"):
+        model.generate(inputs_embeds=embeds.int(), max_new_tokens=2, do_sample=False)
+    model(inputs_embeds=embeds.float())

@@ -899,6 +899,11 @@ class SambaModel(SambaPreTrainedModel):
                 f"inputs_embeds must have shape (batch, seq, hidden_size) with batch >= 1 and seq >= 1, got "
                 f"{tuple(inputs_embeds.shape)}."
             )
+        elif not inputs_embeds.is_floating_point():
+            raise ValueError(
+                f"inputs_embeds must be floating point (embedding vectors), got dtype {inputs_embeds.dtype}: pass "
+                f"token ids as `input_ids`, or convert the vectors with `.to(model.dtype)`."
+            )
         batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         if past_key_values is not None:
             self._check_cache(past_key_values, batch)
