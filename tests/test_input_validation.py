@@ -8,7 +8,7 @@ import typing
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, EncoderDecoderCache
 
 from samba_hf import SambaConfig, SambaForCausalLM, SambaYConfig, SambaYForCausalLM
 
@@ -270,9 +270,36 @@ def test_cache_filled_by_a_model_of_other_widths(model, ids):
         model(ids[:, :1], past_key_values=cache, use_cache=True)
 
 
-def test_cache_that_is_not_a_cache(model, ids):
-    with raises(r"past_key_values must be a transformers Cache, got tuple"):
-        model(ids, past_key_values=((torch.zeros(1), torch.zeros(1)),), use_cache=True)
+FOREIGN_CACHES = {
+    "a string": ("DynamicCache", "str"), "a tuple": (((torch.zeros(1), torch.zeros(1)),), "tuple"),
+    "an EncoderDecoderCache": (EncoderDecoderCache(DynamicCache(), DynamicCache()),
+                               r"an EncoderDecoderCache \(for encoder-decoder models\)"),
+    "a tensor": (torch.zeros(2), "Tensor"), "an object": (object(), "object"),
+}
+
+
+@pytest.mark.parametrize("name", list(FOREIGN_CACHES))
+@pytest.mark.parametrize("argument", ["cache", "past_key_values"])
+def test_cache_that_is_not_a_cache(model, ids, argument, name):
+    """One TypeError naming what is taken, from forward and from generate (where transformers fails on a missing
+    attribute, `_is_user_defined` or `is_compileable`, or says only that a tuple is not supported)."""
+    cache, given = FOREIGN_CACHES[name]
+    message = (r"^The cache \(`cache=` or `past_key_values=`\) must be a transformers Cache built for this model, "
+               rf"`DynamicCache\(config=model.config\)` or `StaticCache\(config=model.config, max_cache_len=...\)`, "
+               rf"or None for a new one; got {given}\.$")
+    with pytest.raises(TypeError, match=message):
+        model(ids, **{argument: cache}, use_cache=True)
+    with pytest.raises(TypeError, match=message):
+        model.generate(ids, **{argument: cache}, max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("implementation", ["offloaded", "offloaded_static"])
+def test_offloaded_cache_off_a_gpu(model, ids, implementation):
+    # transformers' offloading synchronises CUDA streams: without CUDA it fails on "Torch not compiled with CUDA
+    # enabled" (an AssertionError from inside torch), for Llama as for Samba
+    with raises(rf"^cache_implementation='{implementation}' moves the cache between a CUDA GPU and the CPU, but this "
+                r"model is on cpu: leave it out"):
+        model.generate(ids, cache_implementation=implementation, max_new_tokens=2, do_sample=False)
 
 
 def test_inputs_embeds_of_an_integer_dtype(model, ids):
