@@ -70,13 +70,6 @@ MASK_BUILDERS = {
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
-    """The cache given under either name (`cache`: what transformers >= 5.24 passes; `past_key_values`: 5.23)."""
-    if past_key_values is not None and cache is not None and past_key_values is not cache:
-        raise ValueError("Pass the cache once, as `cache` or as `past_key_values`, not as both.")
-    return cache if cache is not None else past_key_values
-
-
 def check_cache_type(cache):
     """One TypeError, naming what is taken, for a cache argument that is no cache of a decoder: a string, a tuple, an
     `EncoderDecoderCache` (an encoder-decoder model's pair of caches), any other object. Where it comes from, forward
@@ -89,6 +82,17 @@ def check_cache_type(cache):
         f"`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or None for a "
         f"new one; got {given}."
     )
+
+
+def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
+    """The cache given under either name (`cache`: what transformers >= 5.24 passes; `past_key_values`: 5.23), each
+    checked to be a cache first (`check_cache_type`)."""
+    for given in (past_key_values, cache):
+        if given is not None:
+            check_cache_type(given)
+    if past_key_values is not None and cache is not None and past_key_values is not cache:
+        raise ValueError("Pass the cache once, as `cache` or as `past_key_values`, not as both.")
+    return cache if cache is not None else past_key_values
 
 
 def cache_layer_kind(layer) -> str:
@@ -931,7 +935,6 @@ class SambaModel(SambaPreTrainedModel):
         Reads the layers' classes and their tensors' shapes only."""
         config = self.config
         fix = "pass `DynamicCache(config=model.config)` (or no cache), one per model and batch"
-        check_cache_type(cache)
         if cache.layer_class_to_replicate is not None and "linear_attention" in config.layer_types:
             raise ValueError(
                 "past_key_values was built without a config (e.g. `DynamicCache()`), so it has no conv and SSM states "
