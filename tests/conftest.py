@@ -13,6 +13,8 @@ def tiny_config(**overrides) -> SambaConfig:
         num_key_value_heads=2, head_dim=8, sliding_window=8, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
         max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
+    if overrides.get("hybrid_override_pattern") is not None:
+        del base["num_hidden_layers"]  # the pattern gives the layer count
     base.update(overrides)
     return SambaConfig(**base)
 

@@ -2,8 +2,10 @@
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
+
+from samba_hf.modeling_samba import CACHE_NAME
 
 from conftest import tiny_model
 
@@ -212,3 +214,38 @@ def test_the_in_place_window_returns_what_transformers_layer_returns_without_cop
             for layer in (ours, theirs):
                 layer.keys, layer.values = layer.keys[order], layer.values[order]
     assert seeds == [prompt, window - 1, window - 1]  # the first step, after the reordering, after the long step
+
+
+# A prompt of 6 and 10 new tokens write 15 positions (the last token is never fed back); the tiny window is 8.
+# layout -> (config overrides, a max_cache_len one too small, the smallest that works, the layer the error names)
+STATIC_ROOM = {
+    "sliding window 8": (dict(), 7, 8, r"layer 1 \(sliding-window attention\)"),
+    "sliding window 64": (dict(sliding_window=64), 14, 15, r"layer 1 \(sliding-window attention\)"),
+    "full attention": (dict(layer_types=["linear_attention", "full_attention"] * 2), 14, 15,
+                       r"layer 1 \(full attention\)"),
+}
+
+
+@pytest.mark.parametrize("layout", list(STATIC_ROOM))
+def test_generate_refuses_a_static_cache_too_small_for_the_prompt_and_new_tokens(layout):
+    """A sliding layer needs min(15, window) positions, a full-attention layer all 15: one fewer used to give other
+    tokens without an error (sliding), or an IndexError from inside transformers (full, as for Llama). The cache goes
+    under the installed transformers' name for it (`generate` of 5.23 knows only `past_key_values`)."""
+    overrides, too_small, needed, layer = STATIC_ROOM[layout]
+    model, ids = tiny_model(**overrides), torch.randint(3, 97, (1, 6))
+    options = dict(max_new_tokens=10, do_sample=False)
+    with pytest.raises(ValueError, match=rf"^The StaticCache keeps {too_small} positions at {layer}, but this generate "
+                                         rf"needs {needed}: it writes 15 \(the prompt and max_new_tokens.*"
+                                         r"StaticCache\(config=model.config, max_cache_len=15\)"):
+        model.generate(ids, **{CACHE_NAME: StaticCache(config=model.config, max_cache_len=too_small)}, **options)
+    enough = StaticCache(config=model.config, max_cache_len=needed)
+    assert torch.equal(model.generate(ids, **{CACHE_NAME: enough}, **options), model.generate(ids, **options))
+
+
+@pytest.mark.skipif(CACHE_NAME == "past_key_values", reason="transformers 5.23's generate asks a static cache of "
+                    "Mamba layers only for a sequence length, which it does not keep, and fails")
+def test_a_static_cache_of_any_size_is_enough_for_mamba_layers():
+    model, ids = tiny_model(layer_types=["linear_attention"] * 4), torch.randint(3, 97, (1, 6))
+    options = dict(max_new_tokens=10, do_sample=False)
+    smallest = StaticCache(config=model.config, max_cache_len=1)
+    assert torch.equal(model.generate(ids, **{CACHE_NAME: smallest}, **options), model.generate(ids, **options))

@@ -79,3 +79,31 @@ def test_auto_classes_know_samba(tmp_path):
     strip = lambda d: {k: v for k, v in d.items() if k != "_name_or_path"}  # noqa: E731
     assert strip(loaded.to_dict()) == strip(config.to_dict())
     assert type(AutoModelForCausalLM.from_config(config)) is samba_hf.SambaForCausalLM
+
+
+@pytest.mark.parametrize("layers", [6, 12, 3])
+def test_pattern_and_a_num_hidden_layers_that_disagree_are_refused(layers):
+    # 12 is the old default: an explicit 12 is refused too, not taken for "not given"
+    with pytest.raises(ValueError, match=rf"`hybrid_override_pattern` 'M\*M-' has 4 layers but `num_hidden_layers` is "
+                                         rf"{layers}: the pattern gives the layer count"):
+        SambaConfig(hybrid_override_pattern="M*M-", num_hidden_layers=layers)
+
+
+def test_pattern_with_an_agreeing_or_no_num_hidden_layers(tmp_path):
+    assert SambaConfig(hybrid_override_pattern="M*M-").num_hidden_layers == 4
+    assert SambaConfig(hybrid_override_pattern="M*M-", num_hidden_layers=4).hybrid_pattern == "M*M-"
+    assert SambaConfig().num_hidden_layers == 12 and SambaConfig(num_hidden_layers=None).num_hidden_layers == 12
+    # a preset's own layer count gives way to a pattern passed with it; an explicit count does not
+    assert SambaConfig.from_preset("mamba2-hybrid-8b", hybrid_override_pattern="M-M*-M-").num_hidden_layers == 7
+    assert SambaConfig.from_preset("mamba2-hybrid-8b").num_hidden_layers == 56
+    with pytest.raises(ValueError, match="has 56 layers but `num_hidden_layers` is 8"):
+        SambaConfig.from_preset("mamba2-hybrid-8b", num_hidden_layers=8)
+    # a config.json that has both, in agreement, loads; a saved Mamba-2-Hybrid loads back
+    config = SambaConfig.from_preset("mamba2-hybrid-8b", hybrid_override_pattern="M-M*-", vocab_size=64)
+    config.save_pretrained(tmp_path)
+    strip = lambda d: {k: v for k, v in d.items() if k != "_name_or_path"}  # noqa: E731
+    assert strip(SambaConfig.from_pretrained(tmp_path).to_dict()) == strip(config.to_dict())
+    fields = {**config.to_dict(), "hybrid_override_pattern": "M-M*-"}
+    assert SambaConfig.from_dict(fields).layer_types == config.layer_types
+    with pytest.raises(ValueError, match="has 4 layers but `num_hidden_layers` is 5"):
+        SambaConfig.from_dict({**fields, "hybrid_override_pattern": "M-M*", "layer_types": None})

@@ -8,21 +8,22 @@ import typing
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, EncoderDecoderCache
 
-from samba_hf import SambaConfig
+from samba_hf import SambaConfig, SambaForCausalLM, SambaYConfig, SambaYForCausalLM
 
 from conftest import tiny_config, tiny_model
 
 # What the error says each typed field of SambaConfig must be, and values of the wrong type for it.
 TYPED_FIELDS = {
     **dict.fromkeys(
-        ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-         "max_position_embeddings", "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size",
-         "mamba_version", "mamba2_head_dim", "mamba2_n_groups", "mamba2_chunk_size"],
+        ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings",
+         "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size", "mamba_version", "mamba2_head_dim",
+         "mamba2_n_groups", "mamba2_chunk_size"],
         "an int",
     ),
-    **dict.fromkeys(["num_key_value_heads", "head_dim", "sliding_window", "pad_token_id", "bos_token_id"], "an int or None"),
+    **dict.fromkeys(["num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window", "pad_token_id",
+                     "bos_token_id"], "an int or None"),
     "eos_token_id": "an int, a list of ints or None",
     "mamba_dt_rank": 'a positive int or "auto"',
     **dict.fromkeys(
@@ -125,6 +126,28 @@ def test_bad_values_in_config_json_are_named_on_load(tmp_path, field, value):
                  lambda folder: SambaConfig.from_dict({**fields, field: value})):
         with raises(message):
             load(tmp_path)
+
+
+@pytest.mark.parametrize("pad", [97, 1000, -98])
+def test_pad_token_id_outside_the_vocabulary_is_refused_when_the_model_is_built(tmp_path, pad):
+    # as transformers' Llama (its nn.Embedding asserts on the padding row): the config takes it, the model does not
+    message = rf"^SambaConfig: `pad_token_id` is {pad}, outside the vocabulary of 97 tokens \(ids 0..96\)"
+    config = tiny_config(pad_token_id=pad)
+    with raises(message):
+        SambaForCausalLM(config)
+    SambaForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "pad_token_id": pad}))
+    with raises(message):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    with raises(r"^SambaYConfig: `pad_token_id` is 64, outside the vocabulary of 64 tokens"):
+        SambaYForCausalLM(SambaYConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=64))
+
+
+@pytest.mark.parametrize("pad", [None, 0, 96, -1, -97])
+def test_pad_token_ids_llama_takes_are_taken(pad):
+    SambaForCausalLM(tiny_config(pad_token_id=pad))
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +270,43 @@ def test_cache_filled_by_a_model_of_other_widths(model, ids):
         model(ids[:, :1], past_key_values=cache, use_cache=True)
 
 
-def test_cache_that_is_not_a_cache(model, ids):
-    with raises(r"past_key_values must be a transformers Cache, got tuple"):
-        model(ids, past_key_values=((torch.zeros(1), torch.zeros(1)),), use_cache=True)
+FOREIGN_CACHES = {
+    "a string": ("DynamicCache", "str"), "a tuple": (((torch.zeros(1), torch.zeros(1)),), "tuple"),
+    "an EncoderDecoderCache": (EncoderDecoderCache(DynamicCache(), DynamicCache()),
+                               r"an EncoderDecoderCache \(for encoder-decoder models\)"),
+    "a tensor": (torch.zeros(2), "Tensor"), "an object": (object(), "object"),
+}
+
+
+@pytest.mark.parametrize("name", list(FOREIGN_CACHES))
+@pytest.mark.parametrize("argument", ["cache", "past_key_values"])
+def test_cache_that_is_not_a_cache(model, ids, argument, name):
+    """One TypeError naming what is taken, from forward and from generate (where transformers fails on a missing
+    attribute, `_is_user_defined` or `is_compileable`, or says only that a tuple is not supported)."""
+    cache, given = FOREIGN_CACHES[name]
+    message = (r"^The cache \(`cache=` or `past_key_values=`\) must be a transformers Cache built for this model, "
+               rf"`DynamicCache\(config=model.config\)` or `StaticCache\(config=model.config, max_cache_len=...\)`, "
+               rf"or None for a new one; got {given}\.$")
+    with pytest.raises(TypeError, match=message):
+        model(ids, **{argument: cache}, use_cache=True)
+    with pytest.raises(TypeError, match=message):
+        model.generate(ids, **{argument: cache}, max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("implementation", ["offloaded", "offloaded_static"])
+def test_offloaded_cache_off_a_gpu(model, ids, implementation):
+    # transformers' offloading synchronises CUDA streams: without CUDA it fails on "Torch not compiled with CUDA
+    # enabled" (an AssertionError from inside torch), for Llama as for Samba
+    with raises(rf"^cache_implementation='{implementation}' moves the cache between a CUDA GPU and the CPU, but this "
+                r"model is on cpu: leave it out"):
+        model.generate(ids, cache_implementation=implementation, max_new_tokens=2, do_sample=False)
+
+
+def test_inputs_embeds_of_an_integer_dtype(model, ids):
+    embeds = torch.ones(2, 6, model.config.hidden_size, dtype=torch.long)
+    with raises(r"^inputs_embeds must be floating point \(embedding vectors\), got dtype torch.int64: pass token ids "
+                r"as `input_ids`"):
+        model(inputs_embeds=embeds)
+    with raises(r"got dtype torch.int32"):
+        model.generate(inputs_embeds=embeds.int(), max_new_tokens=2, do_sample=False)
+    model(inputs_embeds=embeds.float())

@@ -36,11 +36,15 @@ PATTERN_LETTERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "
 
 # The type each scalar field must have (checked first, so a string from a hand-edited config.json or a float where a
 # size is needed fails with the field's name instead of a TypeError further on). A bool is no int; an int is a float.
-INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size", "mamba_version",
-              "mamba2_head_dim", "mamba2_n_groups", "mamba2_chunk_size")
-OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim", "sliding_window", "pad_token_id", "bos_token_id",
-                       "max_position_embeddings")
+INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "mamba_d_state", "mamba_d_conv",
+              "mamba_expand", "inference_chunk_size", "mamba_version", "mamba2_head_dim", "mamba2_n_groups",
+              "mamba2_chunk_size")
+OPTIONAL_INT_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window", "pad_token_id",
+                       "bos_token_id", "max_position_embeddings")
+
+# `num_hidden_layers` when neither it nor `hybrid_override_pattern` is given (the default stays None in the field, so an
+# explicit value can be told from it).
+DEFAULT_NUM_HIDDEN_LAYERS = 12
 
 # `max_position_embeddings` of a layout without full-attention layers, whose length nothing limits: large enough
 # that generate does not warn and evaluation tools (lm-eval reads this field) do not cut inputs short.
@@ -164,7 +168,8 @@ class SambaConfig(PreTrainedConfig):
         vocab_size (`int`, defaults to 32000): size of the vocabulary.
         hidden_size (`int`, defaults to 1536): width of the residual stream.
         intermediate_size (`int`, defaults to 4096): width of the SwiGLU MLP; `0` means no MLP in any layer.
-        num_hidden_layers (`int`, defaults to 12): number of decoder layers (one mixer + one MLP each).
+        num_hidden_layers (`int`, *optional*): number of decoder layers (one mixer + one MLP each). `None` (the
+            default) means the length of `hybrid_override_pattern` when one is given, else 12.
         num_attention_heads (`int`, defaults to 12): query heads of the attention layers.
         num_key_value_heads (`int`, defaults to 12): key/value heads (GQA when fewer than the query heads).
         head_dim (`int`, *optional*, defaults to 128): size of one head; `None` means `hidden_size // num_attention_heads`.
@@ -195,7 +200,8 @@ class SambaConfig(PreTrainedConfig):
             odd layers. With `"mlp"` layers, mixer layers carry no MLP (Megatron's one-sub-layer blocks).
         hybrid_override_pattern (`str`, *optional*, input only): Megatron-LM's pattern, one letter per layer: "M" Mamba,
             "*" full attention, "-" MLP ("S", sliding attention, is samba-hf's); sets `layer_types` and
-            `num_hidden_layers`. Not stored: `config.hybrid_pattern` gives it back.
+            `num_hidden_layers` (a `num_hidden_layers` given with it must equal its length). Not stored:
+            `config.hybrid_pattern` gives it back.
         mamba_version (`int`, defaults to 1): 1 for Mamba (selective scan, per-channel A), 2 for Mamba-2 (SSD: one A
             per head, B and C shared by the heads of a group, a gated group RMSNorm before `out_proj`).
         mamba_d_state (`int`, defaults to 16): SSM state size N (per channel for Mamba, per head row for Mamba-2).
@@ -244,7 +250,7 @@ class SambaConfig(PreTrainedConfig):
     vocab_size: int = 32000
     hidden_size: int = 1536
     intermediate_size: int = 4096
-    num_hidden_layers: int = 12
+    num_hidden_layers: int | None = None
     num_attention_heads: int = 12
     num_key_value_heads: int | None = 12
     head_dim: int | None = 128
@@ -283,9 +289,11 @@ class SambaConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         pattern = kwargs.pop("hybrid_override_pattern", None)
+        self._check_field_types()
         if pattern is not None:
             self._apply_pattern(pattern)
-        self._check_field_types()
+        if self.num_hidden_layers is None:
+            self.num_hidden_layers = DEFAULT_NUM_HIDDEN_LAYERS
         if self.head_dim is None:
             if self.num_attention_heads < 1 or self.hidden_size % self.num_attention_heads:
                 raise ValueError(
@@ -334,6 +342,10 @@ class SambaConfig(PreTrainedConfig):
         layer_types = [PATTERN_LETTERS[letter] for letter in pattern]
         if self.layer_types is not None and list(self.layer_types) != layer_types:
             fail(f"`hybrid_override_pattern` {pattern!r} and `layer_types` {self.layer_types} disagree; give one.")
+        if self.num_hidden_layers not in (None, len(layer_types)):
+            fail(f"`hybrid_override_pattern` {pattern!r} has {len(layer_types)} layers but `num_hidden_layers` is "
+                 f"{self.num_hidden_layers}: the pattern gives the layer count, so leave `num_hidden_layers` out (or "
+                 "make them agree).")
         self.layer_types, self.num_hidden_layers = layer_types, len(layer_types)
 
     def _check_field_types(self):
@@ -435,10 +447,15 @@ class SambaConfig(PreTrainedConfig):
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SambaConfig":
-        """A config with the shapes of a named model: one of `SambaConfig.presets()`; keyword arguments override."""
+        """A config with the shapes of a named model: one of `SambaConfig.presets()`; keyword arguments override. A
+        `hybrid_override_pattern` among them replaces the preset's layer count too (unless `num_hidden_layers` is
+        given with it)."""
         if name not in PRESETS:
             raise ValueError(f"Unknown Samba preset {name!r}; choose one of {sorted(PRESETS)}.")
-        return cls(**{**PRESETS[name], **overrides})
+        preset = dict(PRESETS[name])
+        if overrides.get("hybrid_override_pattern") is not None:
+            preset.pop("num_hidden_layers", None)
+        return cls(**{**preset, **overrides})
 
     @staticmethod
     def presets() -> list[str]:

@@ -31,7 +31,9 @@ from transformers.cache_utils import (
     DummyLayer,
     DynamicSlidingWindowLayer,
     DynamicCache,
+    EncoderDecoderCache,
     LinearAttentionCacheLayerMixin,
+    StaticLayer,
 )
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
@@ -69,8 +71,26 @@ MASK_BUILDERS = {
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+def check_cache_type(cache):
+    """One TypeError, naming what is taken, for a cache argument that is no cache of a decoder: a string, a tuple, an
+    `EncoderDecoderCache` (an encoder-decoder model's pair of caches), any other object. Where it comes from, forward
+    or generate, transformers would fail on a missing attribute."""
+    if isinstance(cache, Cache) and not isinstance(cache, EncoderDecoderCache):
+        return
+    given = "an EncoderDecoderCache (for encoder-decoder models)" if isinstance(cache, Cache) else type(cache).__name__
+    raise TypeError(
+        f"The cache (`cache=` or `past_key_values=`) must be a transformers Cache built for this model, "
+        f"`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or None for a "
+        f"new one; got {given}."
+    )
+
+
 def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
-    """The cache given under either name (`cache`: what transformers >= 5.24 passes; `past_key_values`: 5.23)."""
+    """The cache given under either name (`cache`: what transformers >= 5.24 passes; `past_key_values`: 5.23), each
+    checked to be a cache first (`check_cache_type`)."""
+    for given in (past_key_values, cache):
+        if given is not None:
+            check_cache_type(given)
     if past_key_values is not None and cache is not None and past_key_values is not cache:
         raise ValueError("Pass the cache once, as `cache` or as `past_key_values`, not as both.")
     return cache if cache is not None else past_key_values
@@ -796,6 +816,17 @@ class SambaPreTrainedModel(PreTrainedModel):
     _can_record_outputs = {"hidden_states": SambaDecoderLayer, "attentions": SambaAttention}
     _auto_model_entry = "modeling_samba.SambaModel"  # the base model, for `auto_map["AutoModel"]` in saved folders
 
+    def __init__(self, config, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        # Refused where transformers' Llama refuses it, when the model is built (its nn.Embedding asserts on the
+        # padding row); the same range: -vocab_size..vocab_size - 1 (negative ids count from the end) or None.
+        pad, vocab = config.pad_token_id, config.vocab_size
+        if pad is not None and not -vocab <= pad < vocab:
+            raise ValueError(
+                f"{type(config).__name__}: `pad_token_id` is {pad}, outside the vocabulary of {vocab} tokens (ids "
+                f"0..{vocab - 1}): set it to a token of the vocabulary (the tokenizer's pad or eos token), or to None."
+            )
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """transformers' save_pretrained, plus what tools that never import samba_hf need: an `auto_map` entry for
         `AutoModel` too (transformers writes only the saved class's), and a model card with Hub metadata when the
@@ -1024,6 +1055,11 @@ class SambaModel(SambaPreTrainedModel):
                 f"inputs_embeds must have shape (batch, seq, hidden_size) with batch >= 1 and seq >= 1, got "
                 f"{tuple(inputs_embeds.shape)}."
             )
+        elif not inputs_embeds.is_floating_point():
+            raise ValueError(
+                f"inputs_embeds must be floating point (embedding vectors), got dtype {inputs_embeds.dtype}: pass "
+                f"token ids as `input_ids`, or convert the vectors with `.to(model.dtype)`."
+            )
         batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         if past_key_values is not None:
             self._check_cache(past_key_values, batch)
@@ -1035,8 +1071,6 @@ class SambaModel(SambaPreTrainedModel):
         Reads the layers' classes and their tensors' shapes only."""
         config = self.config
         fix = "pass `DynamicCache(config=model.config)` (or no cache), one per model and batch"
-        if not isinstance(cache, Cache):
-            raise ValueError(f"past_key_values must be a transformers Cache, got {type(cache).__name__}: {fix}.")
         if cache.layer_class_to_replicate is not None and "linear_attention" in config.layer_types:
             raise ValueError(
                 "past_key_values was built without a config (e.g. `DynamicCache()`), so it has no conv and SSM states "
@@ -1328,6 +1362,50 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
+    ):
+        """transformers' cache set-up in `generate`, with Samba's checks of what it was asked for around it: a cache
+        of a kind Samba takes (`check_cache_type`), an offloaded cache only on a CUDA device, and a static cache with
+        room for what this call writes. `max_cache_length` is what transformers sizes its own static cache by: the
+        prompt and the new tokens, less the last new token (never fed back)."""
+        cache = model_kwargs.get(CACHE_NAME)
+        if cache is not None:
+            check_cache_type(cache)
+        elif "offloaded" in str(generation_config.cache_implementation) and self.device.type != "cuda":
+            # transformers' offloading synchronises CUDA streams: without CUDA it fails on an assertion inside torch
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} moves the cache between a CUDA GPU "
+                f"and the CPU, but this model is on {self.device.type}: leave it out (off a GPU the cache is in main "
+                "memory already), or move the model to a CUDA device."
+            )
+        super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
+        if cache is not None:
+            self._check_static_cache_room(cache, max_cache_length)
+
+    def _check_static_cache_room(self, cache: Cache, positions: int):
+        """A static cache given to generate must keep what each layer reads back of `positions` tokens: a
+        full-attention layer all of them (too few: transformers fails writing past the end, as for Llama), a sliding
+        layer `min(positions, sliding_window)` (too few: transformers' static sliding layer keeps, and attends to,
+        only `max_cache_len` positions, and the tokens silently change), a Mamba layer nothing (its state has no
+        length: any `max_cache_len` will do)."""
+        for i, layer in enumerate(cache.layers):
+            if not isinstance(layer, StaticLayer):
+                continue
+            needed = min(positions, self.config.sliding_window) if layer.is_sliding else positions
+            if layer.max_cache_len < needed:
+                kind, window = "full", ""
+                if layer.is_sliding:
+                    kind, window = "sliding-window", f", of which the layer reads the last {self.config.sliding_window}"
+                raise ValueError(
+                    f"The StaticCache keeps {layer.max_cache_len} positions at layer {i} ({kind} attention), but this "
+                    f"generate needs {needed}: it writes {positions} (the prompt and max_new_tokens, less the last "
+                    f"token, which is never fed back){window}. Build it with `StaticCache(config=model.config, "
+                    f"max_cache_len={positions})` or more, or pass `cache_implementation=\"static\"`, which sizes it."
+                )
 
     def cache_nbytes(self, batch_size: int = 1, seq_len: int | None = None, dtype: torch.dtype | None = None) -> int:
         """Bytes held by the generation cache (`DynamicCache(config=...)`) once `seq_len` tokens have been seen.

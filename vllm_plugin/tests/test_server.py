@@ -2,6 +2,7 @@
 own checks."""
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -128,6 +129,36 @@ def test_what_is_not_served_is_one_clear_error():
         samba.check_supported(SimpleNamespace(hidden_act="gelu"), served)
     with pytest.raises(ValueError, match="speculative decoding is not supported"):
         samba.check_supported(SimpleNamespace(hidden_act="silu"), SimpleNamespace(speculative_config=object()))
+
+
+def test_a_head_size_cpu_attention_does_not_support_is_refused_at_load(tmp_path):
+    """vLLM loads such a model, then its first request kills the engine (EngineDeadError, the cause in the worker's
+    log): refused instead when the engine is set up, naming the head size and the sizes vLLM's CPU attention takes."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from samba_hf_vllm import check_served_config
+    from samba_hf_vllm.configuration_samba import SambaConfig
+    from samba_hf_vllm.configuration_sambay import SambaYConfig
+
+    from conftest import engine
+
+    samba = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, sliding_window=16, mamba_d_state=8)
+    folders = {"samba": (SambaConfig(**samba, architectures=["SambaForCausalLM"]), 8),
+               "sambay": (SambaYConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                       num_attention_heads=8, num_key_value_heads=4, sliding_window=16,
+                                       architectures=["SambaYForCausalLM"]), 4)}
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    for name, (config, head_size) in folders.items():
+        config.save_pretrained(tmp_path / name)
+        message = (rf"samba-hf-vllm: this model's attention head size is {head_size}, which vLLM's CPU attention does "
+                   rf"not support \(it supports head sizes {re.escape(str(sizes))}\)")
+        with pytest.raises(ValueError, match=message):  # pydantic's ValidationError of VllmConfig, a ValueError
+            with engine(str(tmp_path / name), skip_tokenizer_init=True, load_format="dummy"):
+                pass
+    served = lambda config: SimpleNamespace(model_config=SimpleNamespace(hf_config=config))  # noqa: E731
+    check_served_config(served(SambaConfig(**{**samba, "head_dim": 64})))
+    check_served_config(served(SambaConfig(**{**samba, "layer_types": ["linear_attention"] * 2})))  # no attention
 
 
 def test_vllm_reads_the_mamba2_chunk_size_of_the_folder(references):
