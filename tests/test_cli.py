@@ -1,6 +1,7 @@
 """`samba-hf generate`: streams on the embedded default, and user mistakes give one line and a non-zero exit."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -39,6 +40,20 @@ def test_compile_gives_the_eager_text_and_says_it_compiled():
     assert compiled.returncode == 0 and eager.returncode == 0, compiled.stderr + eager.stderr
     assert compiled.stdout == eager.stdout and len(compiled.stdout) > 300
     assert re.search(r"tokens/s per step \(median\) after compiling, cpu, float32\)", compiled.stderr)
+
+
+def test_compile_without_a_cpp_compiler_decodes_eagerly_with_one_line(tmp_path):
+    """inductor compiles C++ with $CXX (else g++): with CXX naming a missing program, inductor's own lookup finds no
+    compiler before anything compiles, and --compile says so in one line and decodes eagerly (today's alternative: a
+    95-line inductor traceback at the first decoding step)."""
+    args = ("generate", "The history of", "--max-new-tokens", "8", "--dtype", "float32")
+    result = subprocess.run([sys.executable, "-m", "samba_hf_cli", *args, "--compile"], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "CXX": str(tmp_path / "no-such-g++")})
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    notes = [line for line in result.stderr.splitlines() if "--compile" in line]
+    assert len(notes) == 1 and "no working C++ compiler" in notes[0] and "decoding without compiling" in notes[0], notes
+    assert "8 new tokens" in result.stderr and "after compiling" not in result.stderr
+    assert result.stdout == run_cli(*args).stdout
 
 
 def test_sampling_with_a_seed_is_reproducible(capsys):

@@ -194,6 +194,23 @@ def _load_other(path: str, dtype):
     return model
 
 
+def compiler_missing(device) -> str | None:
+    """Why torch.compile cannot build a decoding step for `device`, or None. On a CPU inductor compiles C++ with the
+    compiler its config names (`$CXX`, else g++); without one the first compiled step fails deep inside inductor.
+    Asked with inductor's own lookup (cached, one `--version` call) before anything compiles."""
+    if device.type != "cpu":
+        return None
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # a torch without this helper: let the compile itself try
+        return None
+    try:
+        get_cpp_compiler()
+    except Exception as error:  # inductor's InvalidCxxCompiler, or whatever its lookup raises on a broken install
+        return _first_line(error)
+    return None
+
+
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
@@ -244,7 +261,12 @@ def generate(args) -> int:
         options["prefill_chunk_size"] = args.prefill_chunk_size
     if stop_ids is not None:
         options["eos_token_id"] = stop_ids
-    if args.compile:
+    compiled = args.compile
+    if compiled and (missing := compiler_missing(device)):
+        print(f"samba-hf: --compile: torch.compile finds no working C++ compiler here ({missing}); decoding without "
+              "compiling, the same text at eager speed (install g++, or set CXX to a C++ compiler)", file=sys.stderr)
+        compiled = False
+    if compiled:
         from transformers import CompileConfig
 
         compile_config = CompileConfig(fullgraph=True)
@@ -261,7 +283,7 @@ def generate(args) -> int:
     elapsed = time.perf_counter() - start
     new_tokens = output.shape[1] - input_ids.shape[1]
     rate = f"{new_tokens / elapsed:.1f} tokens/s"
-    if args.compile and new_tokens > 2:  # the first steps compile (again when the window fills): say both
+    if compiled and new_tokens > 2:  # the first steps compile (again when the window fills): say both
         step = statistics.median(b - a for a, b in zip(streamer.times[2:], streamer.times[3:]))
         rate = f"{1 / step:.1f} tokens/s per step (median) after compiling"
     print(
