@@ -39,7 +39,22 @@ def test_compile_gives_the_eager_text_and_says_it_compiled():
     compiled, eager = run_cli(*args, "--compile"), run_cli(*args)
     assert compiled.returncode == 0 and eager.returncode == 0, compiled.stderr + eager.stderr
     assert compiled.stdout == eager.stdout and len(compiled.stdout) > 300
-    assert re.search(r"tokens/s per step \(median\) after compiling, cpu, float32\)", compiled.stderr)
+    assert "compiling the decoding step" in compiled.stderr and "--compile in" not in compiled.stderr
+    assert re.search(r"tokens/s per step \(median\) after compiling, which took \d+ s, cpu, float32\)", compiled.stderr)
+
+
+def test_compile_says_before_compiling_how_long_it_takes_and_in_bfloat16_that_the_text_can_differ(capsys):
+    """Both said before anything compiles: a one-token run compiles nothing (its token comes from the uncompiled
+    prefill), so this costs no compilation. The text difference in bfloat16 is measured in docs/cli.md."""
+    from samba_hf.cli import compiler_missing
+
+    if compiler_missing(torch.device("cpu")):
+        pytest.skip("no C++ compiler for torch.compile here: --compile decodes without compiling")
+    assert main(["generate", "The history of", "--max-new-tokens", "1", "--dtype", "bfloat16", "--compile"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"compiling the decoding step after the first token \(about .* minute", err), err
+    assert "--compile in bfloat16: the static cache and the compiled step round" in err
+    assert "--dtype float32 gives the same text" in err
 
 
 def test_compile_without_a_cpp_compiler_decodes_eagerly_with_one_line(tmp_path):
