@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompts longer than this are read in chunks of this many tokens (bounded memory)")
     gen.add_argument("--compile", action="store_true",
                      help="decode with a static cache and a torch.compile'd step (transformers' cache_implementation="
-                          "'static' and compile_config): faster steps after a compilation of several seconds")
+                          "'static' and compile_config): faster steps after compiling (about a minute for the "
+                          "embedded model on 2 CPU cores); the same text in float32, in bfloat16 it can part after "
+                          "some tokens (docs/cli.md)")
     gen.add_argument("--chat", action="store_true",
                      help="the prompt is a user message: format it with the tokenizer's chat template, print only "
                           "the reply and stop at the end of its turn (e.g. <|end|> for Phi-4-mini-flash-reasoning)")

@@ -23,6 +23,10 @@ class UserError(Exception):
 
 logging.disable_progress_bar()  # the commands print their own progress
 
+# What `--compile` says before it compiles: measured with docs/cli.md's command (2026-11-26, 2-core AMD EPYC)
+COMPILE_TIME_NOTE = ("about a minute on a 2-core CPU for the embedded model the first time, ~15 s once inductor's "
+                     "cache holds it; longer for deeper models")
+
 DEFAULT_MODEL_NOTE = (
     "embedded default model: a 5.9M-parameter Samba trained for 18 minutes on a CPU on Python's documentation "
     "(examples/train_tiny.py): it writes documentation-flavoured English; pass --model for a real checkpoint"
@@ -194,6 +198,23 @@ def _load_other(path: str, dtype):
     return model
 
 
+def compiler_missing(device) -> str | None:
+    """Why torch.compile cannot build a decoding step for `device`, or None. On a CPU inductor compiles C++ with the
+    compiler its config names (`$CXX`, else g++); without one the first compiled step fails deep inside inductor.
+    Asked with inductor's own lookup (cached, one `--version` call) before anything compiles."""
+    if device.type != "cpu":
+        return None
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # a torch without this helper: let the compile itself try
+        return None
+    try:
+        get_cpp_compiler()
+    except Exception as error:  # inductor's InvalidCxxCompiler, or whatever its lookup raises on a broken install
+        return _first_line(error)
+    return None
+
+
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
@@ -244,12 +265,24 @@ def generate(args) -> int:
         options["prefill_chunk_size"] = args.prefill_chunk_size
     if stop_ids is not None:
         options["eos_token_id"] = stop_ids
-    if args.compile:
+    compiled = args.compile
+    if compiled and (missing := compiler_missing(device)):
+        print(f"samba-hf: --compile: torch.compile finds no working C++ compiler here ({missing}); decoding without "
+              "compiling, the same text at eager speed (install g++, or set CXX to a C++ compiler)", file=sys.stderr)
+        compiled = False
+    if compiled:
         from transformers import CompileConfig
 
         compile_config = CompileConfig(fullgraph=True)
         compile_config._compile_all_devices = True  # generate compiles only on accelerators unless told
         options.update(cache_implementation="static", compile_config=compile_config)
+        print(f"samba-hf: --compile: compiling the decoding step after the first token ({COMPILE_TIME_NOTE}); the "
+              "summary gives the time it took", file=sys.stderr)
+        if dtype != torch.float32:  # measured in docs/cli.md
+            name = str(dtype).removeprefix("torch.")
+            print(f"samba-hf: --compile in {name}: the static cache and the compiled step round {name} differently "
+                  "from the uncompiled run, so the text can part from it after some tokens; --dtype float32 gives the "
+                  "same text", file=sys.stderr)
 
     if not args.chat:  # a continuation follows its prompt; a chat reply stands alone
         sys.stdout.write(args.prompt)
@@ -261,9 +294,12 @@ def generate(args) -> int:
     elapsed = time.perf_counter() - start
     new_tokens = output.shape[1] - input_ids.shape[1]
     rate = f"{new_tokens / elapsed:.1f} tokens/s"
-    if args.compile and new_tokens > 2:  # the first steps compile (again when the window fills): say both
-        step = statistics.median(b - a for a, b in zip(streamer.times[2:], streamer.times[3:]))
-        rate = f"{1 / step:.1f} tokens/s per step (median) after compiling"
+    if compiled and new_tokens > 2:  # the first steps compile (again when the window fills): say both
+        # compiling: each step's time beyond the median (the first step, and the recompile when the window fills)
+        steps = [b - a for a, b in zip(streamer.times[1:], streamer.times[2:])]
+        step = statistics.median(steps[1:])
+        rate = (f"{1 / step:.1f} tokens/s per step (median) after compiling, which took "
+                f"{sum(steps) - step * len(steps):.0f} s")
     print(
         f"samba-hf: {new_tokens} new tokens from a {input_ids.shape[1]}-token prompt in {elapsed:.2f} s "
         f"({rate}, {device.type}, {str(dtype).removeprefix('torch.')})",
