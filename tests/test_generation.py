@@ -141,15 +141,15 @@ def test_static_cache(model, prompt):
 
 def compiled_generate_equals_eager(model, vocab: int, new_tokens: int = 20):
     """transformers' own switches (a static cache, `compile_config`) compile the decode step in one graph
-    (fullgraph=True); it recompiles a bounded number of times (the window filling), not once per token, and gives
+    (fullgraph=True; on a GPU its default mode, "reduce-overhead", replays it as a CUDA graph); it recompiles a bounded number of times (the window filling), not once per token, and gives
     the eager dynamic cache's tokens, for a left-padded batch."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     torch._dynamo.reset()
     counters.clear()
-    ids = torch.randint(3, vocab, (2, 6), generator=torch.Generator().manual_seed(1))
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    ids = torch.randint(3, vocab, (2, 6), generator=torch.Generator().manual_seed(1)).to(model.device)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], device=model.device)
     options = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
     compile_config = CompileConfig(fullgraph=True)
     compile_config._compile_all_devices = True  # generate only auto-compiles on accelerators unless told

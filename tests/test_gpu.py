@@ -247,6 +247,18 @@ def test_samba_hfs_triton_scans_match_pytorch_with_gradients(triton_scans_only, 
     assert_all_close(values_and_gradients(ssm_samba.ssd_scan, inputs), values_and_gradients(PYTORCH_SSD, inputs), tol)
 
 
+@pytest.mark.parametrize("kind", ["samba", "mamba2"])
+def test_decoding_in_cuda_graphs_gives_the_eager_tokens(kind):
+    """generate with transformers' switches (a static cache, compile_config; its default mode on a GPU replays the
+    compiled step as a CUDA graph, which needs the Mamba states and the window written in place): the eager tokens, in
+    float32, with whichever kernels are installed."""
+    from test_generation import compiled_generate_equals_eager
+    from test_mamba2 import tiny_mamba2
+
+    model = (tiny_model(seed=11) if kind == "samba" else tiny_mamba2("megatron", seed=7)).cuda()
+    compiled_generate_equals_eager(model, vocab=97)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_sliding_window_inputs_run_flex_attention_and_match_the_cpu(monkeypatch, dtype):
     """On a GPU with sdpa, inputs longer than the window go through compiled flex_attention (the CPU goes block by
