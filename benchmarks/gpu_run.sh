@@ -2,23 +2,24 @@
 # Everything samba-hf measures and checks on a GPU, for an H100 / H200 without internet access. From the repository
 # root, after `bash benchmarks/gpu_prepare.sh` on a machine with internet:
 #
-#     bash benchmarks/gpu_run.sh tests      # build the kernel packages, run tests/test_gpu.py without and with them
-#     bash benchmarks/gpu_run.sh bench      # benchmarks/gpu.py with them, then without them
-#     bash benchmarks/gpu_run.sh            # both (about 12 minutes: more than one 600 s device command)
+#     bash benchmarks/gpu_run.sh pip        # what `pip install samba-hf` gives (~9 min): tests/test_gpu.py without
+#                                           # the kernel packages, then benchmarks/gpu.py on samba-hf's Triton scans
+#     bash benchmarks/gpu_run.sh kernels    # build mamba-ssm and causal-conv1d (~5 min), tests/test_gpu.py with them
+#     bash benchmarks/gpu_run.sh bench      # benchmarks/gpu.py with them (after `kernels` on the same machine)
+#     bash benchmarks/gpu_run.sh            # all three (more than one 600 s device command)
 #
+# `pip` first: it needs no build and measures #32's goals. Each stage fits one 600 s device command.
 #   1. transformers 5.24 (from the bundle) first on the path; samba-hf from src/;
-#   2. mamba-ssm and causal-conv1d built from their sdists for this GPU's architecture only, both at once (~5 min;
-#      kept in $WORK, default ~/.samba-hf-gpu, so that `bench` after `tests` on the same machine reuses them);
-#   3. tests/test_gpu.py without the kernel packages, then with them;
-#   4. benchmarks/gpu.py with them, then without them, samba-hf's Triton scans alone (each under a time limit; each
-#      JSON written as it goes);
-#   5. the GPU and versions in $OUT/run.log, every step's output appended to $OUT/steps.log (few files: the device
+#   2. mamba-ssm and causal-conv1d built from their sdists for this GPU's architecture only, both at once (kept in
+#      $WORK, default ~/.samba-hf-gpu, so that `bench` after `kernels` on the same machine reuses them);
+#   3. each test and benchmark step under a time limit, each JSON written as it goes;
+#   4. the GPU and versions in $OUT/run.log, every step's output appended to $OUT/steps.log (few files: the device
 #      tool brings back only a handful).
 # A step that fails is logged and the next one runs. Writes into $OUT (default out/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:-all}
-case "$STAGE" in all|tests|bench) ;; *) echo "gpu_run.sh: the stage is tests, bench or nothing (both), not $STAGE" >&2; exit 1 ;; esac
+case "$STAGE" in all|pip|kernels|bench) ;; *) echo "gpu_run.sh: the stage is pip, kernels, bench or nothing (all), not $STAGE" >&2; exit 1 ;; esac
 OUT=${OUT:-out/gpu}
 BUNDLE=${BUNDLE:-out/gpu-bundle}
 WORK=${WORK:-$HOME/.samba-hf-gpu}
@@ -58,19 +59,21 @@ build() {  # build SDIST: for this architecture only, into its own folder under 
 export -f build; export WORK kernels arch
 with_kernels="$PWD/src:$(printf '%s:' "$kernels"/*)$site"
 without="$PWD/src:$site"
-if [ "$STAGE" != bench ]; then
+if [ "$STAGE" = all ] || [ "$STAGE" = pip ]; then
+    step test-gpu-without-kernels 200 env PYTHONPATH="$without" python3 -m pytest -q -rf tests/test_gpu.py
+    # what `pip install samba-hf` gives: samba-hf's Triton scans, no kernel package (NemotronH on its torch path)
+    step bench-pip-install 330 env PYTHONPATH="$without" python3 benchmarks/gpu.py --kernels triton --time-limit 300 \
+        --out "$OUT/gpu-pip-install.json"
+fi
+if [ "$STAGE" = all ] || [ "$STAGE" = kernels ]; then
     step build-mamba-ssm 400 bash -c "build $BUNDLE/mamba_ssm-*.tar.gz" &
     step build-causal-conv1d 400 bash -c "build $BUNDLE/causal_conv1d-*.tar.gz" &
     wait
     with_kernels="$PWD/src:$(printf '%s:' "$kernels"/*)$site"
-    step test-gpu-without-kernels 60 env PYTHONPATH="$without" python3 -m pytest -q tests/test_gpu.py
-    step test-gpu-with-kernels 150 env PYTHONPATH="$with_kernels" python3 -m pytest -q -rf tests/test_gpu.py
+    step test-gpu-with-kernels 170 env PYTHONPATH="$with_kernels" python3 -m pytest -q -rf tests/test_gpu.py
 fi
-if [ "$STAGE" != tests ]; then
-    step bench-with-kernels 150 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --time-limit 130 \
+if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
+    step bench-with-kernels 330 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --time-limit 300 \
         --out "$OUT/gpu-kernels.json"
-    # what `pip install samba-hf` gives: samba-hf's Triton scans, no kernel package (NemotronH on its torch path)
-    step bench-pip-install 150 env PYTHONPATH="$without" python3 benchmarks/gpu.py --kernels triton --time-limit 130 \
-        --out "$OUT/gpu-pip-install.json"
 fi
 log "done ($STAGE); results in $OUT"
