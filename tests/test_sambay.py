@@ -18,7 +18,8 @@ from conftest import held_bytes
 from test_generation import compiled_generate_equals_eager
 from test_save_load import assert_loads_without_the_package
 
-RELEASE = Path(__file__).resolve().parents[2] / "shared" / "design" / "sambay"
+# The release's config.json, model.safetensors.index.json, tokenizer_config.json and generation_config.json (no weights)
+RELEASE = Path(__file__).resolve().parent / "data" / "sambay"
 
 # Every switch of the release, tiny: L=8 (self-decoder 0-3, memory 4, full 5, GMU 6, cross 7), GQA 8/4, window 4.
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=8,
@@ -43,7 +44,6 @@ def ids(batch=2, length=20, seed=0, vocab=64):
 # ---------------------------------------------------------------- the released layout
 
 
-@pytest.mark.skipif(not RELEASE.is_dir(), reason=f"the released config and index are not at {RELEASE}")
 def test_the_released_config_builds_exactly_the_released_tensors():
     config = SambaYConfig.from_dict(json.loads((RELEASE / "config.json").read_text()))
     index = json.loads((RELEASE / "model.safetensors.index.json").read_text())["weight_map"]
@@ -85,12 +85,6 @@ def tiny_id(release_id: int) -> int:
     return 49 if release_id == 199999 else release_id - 200018 + 50
 
 
-# The chat format of the release (sambay.md, section 5), for a checkout without the released files beside it.
-CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
-                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
-CHAT_TOKENS = ["<|endofprompt|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
-
-
 def test_kernels_that_need_one_head_size_attend_to_each_half_of_the_values():
     """flash-attention takes values no wider than queries: differential attention then attends to each half of the
     paired values (the release's four calls). Checked with an implementation that refuses wider values and
@@ -120,14 +114,8 @@ def test_kernels_that_need_one_head_size_attend_to_each_half_of_the_values():
 def release_tokenizer_settings(folder: Path, generation_config=True):
     """The release's tokenizer_config.json (chat template, added tokens), special_tokens_map.json and
     generation_config.json, with the ids moved into the tiny vocabulary; no vocabulary files (as the release)."""
-    if RELEASE.is_dir():
-        settings = json.loads((RELEASE / "tokenizer_config.json").read_text())
-        generation = json.loads((RELEASE / "generation_config.json").read_text())
-    else:
-        added = {199999: "<|endoftext|>", **{200018 + i: token for i, token in enumerate(CHAT_TOKENS)}}
-        settings = {"added_tokens_decoder": {str(i): {"content": t, "special": True} for i, t in added.items()},
-                    "chat_template": CHAT_TEMPLATE, "eos_token": "<|endoftext|>", "tokenizer_class": "GPT2Tokenizer"}
-        generation = {"bos_token_id": 199999, "eos_token_id": [200020, 199999], "pad_token_id": 199999}
+    settings = json.loads((RELEASE / "tokenizer_config.json").read_text())
+    generation = json.loads((RELEASE / "generation_config.json").read_text())
     settings["added_tokens_decoder"] = {str(tiny_id(int(i))): entry for i, entry in
                                         settings["added_tokens_decoder"].items()}
     (folder / "tokenizer_config.json").write_text(json.dumps(settings))
@@ -146,11 +134,7 @@ def release_folder(folder: Path, seed=0, favour: int | None = None, generation_c
         weights["model.final_layernorm.weight"] = torch.zeros_like(weights["model.final_layernorm.weight"])
         weights["model.final_layernorm.bias"] = 4 * weights["model.embed_tokens.weight"][favour]
     folder.mkdir()
-    config = {**json.loads((RELEASE / "config.json").read_text()), **TINY} if RELEASE.is_dir() else {
-        **TINY, "model_type": "phi4flash", "_attn_implementation": "flash_attention_2", "mb_per_layer": 2,
-        "auto_map": {"AutoConfig": "configuration_phi4flash.Phi4FlashConfig",
-                     "AutoModelForCausalLM": "modeling_phi4flash.Phi4FlashForCausalLM",
-                     "AutoTokenizer": "Xenova/gpt-4o"}, "torch_dtype": "bfloat16"}
+    config = {**json.loads((RELEASE / "config.json").read_text()), **TINY}
     (folder / "config.json").write_text(json.dumps(config))
     stored = {k: v.float() if k.endswith(("A_log", "lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")) else
               v.to(torch.bfloat16) for k, v in weights.items()}
@@ -389,8 +373,7 @@ def test_the_cli_says_the_released_folder_has_no_tokenizer_and_runs_with_one(tmp
     release_folder(tmp_path / "release")
     assert main(["generate", "The assert", "--model", str(tmp_path / "release")]) == 1
     err = capsys.readouterr().err
-    if RELEASE.is_dir():
-        assert "names the Hub tokenizer 'Xenova/gpt-4o'" in err
+    assert "names the Hub tokenizer 'Xenova/gpt-4o'" in err
     assert "has no tokenizer vocabulary" in err and "--tokenizer" in err
     assert main(["generate", "The assert", "--model", str(tmp_path / "release"), "--tokenizer",
                  default_model_path()]) == 1  # 4096 tokens: <|endoftext|> cannot be at the model's id 49
