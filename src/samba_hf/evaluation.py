@@ -172,8 +172,9 @@ PROGRESS_AFTER_S = 5.0  # a run or a prompt that takes longer than this gets an 
 
 class _TokenProgress:
     """What `progress=True` shows inside the prompts, counting the tokens each forward of the model reads: once the
-    first forward of the run is done, an estimate of the whole run from its rate (said through `say`, when the run
-    looks longer than `after` seconds); in a prompt that runs past `after` seconds, a bar of its tokens read so far."""
+    first forward of the run is done, an estimate of the whole run at that forward's rate (said through `say`, when
+    the run looks longer than `after` seconds); in a prompt that runs past `after` seconds, a bar of its tokens read
+    so far."""
 
     def __init__(self, total_tokens: int, enabled: bool, say=None, after: float | None = None):
         self.total, self.enabled, self.say = total_tokens, enabled, say
@@ -187,12 +188,14 @@ class _TokenProgress:
             yield
             return
         self.tokens, self.read, self.start = tokens, 0, time.perf_counter()
-        hook = model.register_forward_hook(lambda module, args, kwargs, output: self._forward(args, kwargs),
-                                           with_kwargs=True)
+        hooks = [model.register_forward_pre_hook(lambda *_: setattr(self, "forward_start", time.perf_counter())),
+                 model.register_forward_hook(lambda module, args, kwargs, output: self._forward(args, kwargs),
+                                             with_kwargs=True)]
         try:
             yield
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
@@ -204,10 +207,11 @@ class _TokenProgress:
         now = time.perf_counter()
         if not self.estimated:  # the run's first forward
             self.estimated = True
-            whole = (now - self.start) * self.total / read
+            seconds = now - self.forward_start
+            whole = seconds * self.total / read
             if whole > self.after and self.say is not None:
-                self.say(f"the first {read:,} tokens took {now - self.start:.1f} s: about {_duration(whole)} for "
-                         f"all {self.total:,} at that rate")
+                self.say(f"the first {read:,} tokens took {seconds:.1f} s: about {_duration(whole)} for all "
+                         f"{self.total:,} at that rate")
         if self.bar is None and now - self.start > self.after:
             from tqdm.auto import tqdm
 
