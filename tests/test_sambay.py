@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from samba_hf import SambaConfig, SambaYConfig, SambaYForCausalLM
 
 from sambay_reference import random_weights, reference_logits
-from conftest import held_bytes
+from conftest import held_bytes, returned_cache
 from test_generation import compiled_generate_equals_eager
 from test_save_load import assert_loads_without_the_package
 
@@ -106,8 +106,8 @@ def test_kernels_that_need_one_head_size_attend_to_each_half_of_the_values():
         model.config._attn_implementation = "one_head_size"
         torch.testing.assert_close(model(x).logits, expected, rtol=1e-5, atol=1e-5)
         cache = DynamicCache(config=model.config)
-        steps = [model(x[:, :7], past_key_values=cache).logits]
-        steps += [model(x[:, t : t + 1], past_key_values=cache).logits for t in range(7, 13)]
+        steps = [model(x[:, :7], cache=cache).logits]
+        steps += [model(x[:, t : t + 1], cache=cache).logits for t in range(7, 13)]
     assert (torch.cat(steps, 1) - expected).abs().max() <= 1e-5 * expected.abs().max()  # float32 rounding only
 
 
@@ -184,7 +184,7 @@ def test_bfloat16_follows_the_released_numerics(tmp_path):
     assert residual == [torch.float32] * 8  # layer 0 is Mamba: float32 from its output on
     assert attention == [{torch.bfloat16}] * 4
     assert {layer.attn.A_log.dtype for layer in model.model.layers if hasattr(layer.attn, "A_log")} == {torch.float32}
-    assert {s.dtype for layer in out.past_key_values.layers
+    assert {s.dtype for layer in returned_cache(out).layers
             for s in layer_tensors(layer) if s.ndim == 3 and s.shape[-1] == TINY["mamba_d_state"]} == {torch.float32}
     expected = reference_logits({k: v.double() for k, v in stored.items()}, TINY, x)
     error = (out.logits.double() - expected).abs().max() / expected.abs().max()
@@ -221,8 +221,8 @@ def test_logits_of_a_decode_step_equal_the_full_forward_past_the_window():
     with torch.no_grad():
         full = model(x).logits
         cache = DynamicCache(config=model.config)
-        steps = [model(x[:, :2], past_key_values=cache).logits]
-        steps += [model(x[:, t : t + 1], past_key_values=cache).logits for t in range(2, 14)]
+        steps = [model(x[:, :2], cache=cache).logits]
+        steps += [model(x[:, t : t + 1], cache=cache).logits for t in range(2, 14)]
     assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-5 * full.abs().max()  # float32 rounding only
 
 
@@ -275,9 +275,9 @@ def test_logits_to_keep_runs_the_cross_decoder_on_the_kept_positions_only(implem
             assert seen == [min(keep, 13)] * 2  # L=8: one GMU and one cross-attention layer
         # continuing from a cache: a 5-token piece after 8 cached positions
         cache = DynamicCache(config=model.config)
-        model(x[:, :8], attention_mask=mask[:, :8], past_key_values=cache)
+        model(x[:, :8], attention_mask=mask[:, :8], cache=cache)
         seen.clear()
-        step = model(x[:, 8:], attention_mask=mask, past_key_values=cache, logits_to_keep=2).logits
+        step = model(x[:, 8:], attention_mask=mask, cache=cache, logits_to_keep=2).logits
         torch.testing.assert_close(step, full[:, -2:], rtol=1e-5, atol=1e-5)
         assert seen == [2, 2]
         # chunked inference (chunks of 4): the chunks before the last kept positions skip the cross-decoder
@@ -295,8 +295,8 @@ def test_cache_bytes_grow_by_one_layers_keys_and_values_per_token():
     config = model.config
     x = ids(2, 30)
     with torch.no_grad():
-        cache = model(x, use_cache=True).past_key_values
-        model(x[:, :1], past_key_values=cache, use_cache=True)  # one decoding step
+        cache = returned_cache(model(x, use_cache=True))
+        model(x[:, :1], cache=cache, use_cache=True)  # one decoding step
     assert held_bytes(cache) == model.cache_nbytes(batch_size=2, seq_len=31)
     per_token = model.cache_nbytes(2, 31) - model.cache_nbytes(2, 30)
     assert per_token == 2 * 2 * config.num_key_value_heads * config.head_dim * 4  # batch 2, k and v, float32
@@ -320,7 +320,7 @@ def test_backward_reaches_every_parameter_and_checkpointing_gives_the_same_gradi
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert all(g is not None and g.abs().sum() > 0 for g in grads.values()), [n for n, g in grads.items() if g is None]
     model.zero_grad()
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     model(x, labels=x).loss.backward()
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, grads[name], rtol=1e-5, atol=1e-6, msg=name)

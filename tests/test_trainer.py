@@ -67,7 +67,7 @@ def test_gradient_checkpointing_trains_the_same(tmp_path):
     data, collator = examples(8, seed=2), DataCollatorForLanguageModeling(tokenizer(), mlm=False)
     losses = []
     for checkpointing in (False, True):
-        trainer = Trainer(model=tiny_model(seed=3), args=arguments(tmp_path, gradient_checkpointing=checkpointing),
+        trainer = Trainer(model=tiny_model(seed=3), args=arguments(tmp_path, activation_checkpointing=checkpointing),
                           train_dataset=data, data_collator=collator)
         trainer.train()
         losses.append([h["loss"] for h in trainer.state.log_history if "loss" in h])

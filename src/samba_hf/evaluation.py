@@ -278,10 +278,10 @@ def phonebook_eval(model, tokenizer, lengths, trials: int = 10, seed: int = 0,
 
 
 def _cache_argument(model) -> str:
-    """The name under which the model's forward takes its cache: `past_key_values` up to transformers 5.23
-    (`cache_params` for its Mamba), `cache` from 5.24 on (samba-hf's models take both)."""
+    """The name under which the model's forward takes its cache: `cache` from transformers 5.24 on (samba-hf's
+    models take it with any version), `past_key_values` up to 5.23 (`cache_params` for its Mamba)."""
     parameters = inspect.signature(model.forward).parameters
-    names = [name for name in ("past_key_values", "cache", "cache_params") if name in parameters]
+    names = [name for name in ("cache", "past_key_values", "cache_params") if name in parameters]
     return names[0] if names else "past_key_values"
 
 
