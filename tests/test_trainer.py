@@ -115,7 +115,8 @@ def test_trl_sft_trainer_with_a_lora_config(tmp_path):
     model = tiny_model(seed=6)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     config = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
-                       report_to=[], use_cpu=True, save_strategy="no", max_length=32, learning_rate=1e-2)
+                       report_to=[], use_cpu=True, save_strategy="no", max_length=32, learning_rate=1e-2,
+                       activation_checkpointing=True)  # TRL's default, under transformers' current name
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
                          processing_class=tokenizer(), peft_config=lora_config(r=4))
     trainer.train()
