@@ -2,7 +2,7 @@
 
     python benchmarks/gpu.py --out out/gpu/kernels.json            # on a CUDA machine; ~2-4 minutes
     python benchmarks/gpu.py --plot out/gpu/*.json --plot-out out/gpu/figure2.png
-    python benchmarks/gpu.py --table out/gpu/*.json                # Markdown for docs/speed.md
+    python benchmarks/gpu.py --table out/gpu/*.json                # Markdown for docs/speed-history.md
     bash benchmarks/gpu_run.sh                                      # everything, on the GPU machine (see there)
 
 Models (random weights, bf16; speed does not depend on the weights):
@@ -459,7 +459,7 @@ BASELINES = {"Samba-1.3B": "Llama-1.3B", "Mamba-2-Hybrid": "NemotronH"}
 
 
 def table(paths: list[str]) -> str:
-    """The runs as Markdown for docs/speed.md, in the paper's Table 4 spirit: per run and model, prefill tokens/s at
+    """The runs as Markdown for docs/speed-history.md, in the paper's Table 4 spirit: per run and model, prefill tokens/s at
     each length (Samba's ratio to the same run's Llama, the Mamba-2-Hybrid's to NemotronH), decode tokens/s per
     context x batch (eager / graphs), the
     training step's tokens/s; each run's label, device and date on its heading."""

@@ -1,6 +1,6 @@
 """Phi-4-mini-flash-reasoning's architecture (SambaY) at full size, random weights, against a same-size Llama.
 
-    python benchmarks/sambay_full_size.py [--release-config ../shared/design/sambay/config.json]
+    python benchmarks/sambay_full_size.py [--release-config tests/data/sambay/config.json]
                                           [--prefill 1024,8192] [--decode 1024,32768] [--steps 4]
                                           [--prefill-dtype auto|bfloat16|float32] [--out benchmarks/results]
 
@@ -42,7 +42,7 @@ import torch
 from run_benchmarks import peak_rss_mib  # this folder is on sys.path when the script runs
 
 HERE = Path(__file__).resolve().parent
-RELEASE_CONFIG = HERE.parents[1] / "shared" / "design" / "sambay" / "config.json"
+RELEASE_CONFIG = HERE.parent / "tests" / "data" / "sambay" / "config.json"  # the release's, kept for the tests
 LLAMA_MLP = 11008  # 3,846,801,920 parameters against SambaY's 3,852,562,944
 
 

@@ -40,7 +40,8 @@ from train_tiny import SPECIAL, Blocks, documents, package, stream, to_bfloat16_
 
 from samba_hf import SambaConfig, SambaForCausalLM  # noqa: E402
 from samba_hf.evaluation import (  # noqa: E402
-    PASSKEY_INSTRUCTION, PASSKEY_NEEDLE, PASSKEY_QUESTION, _pieces, _pyplot, passkey_eval, passkey_prompt, perplexity_by_position, phonebook_eval, plot_passkey, plot_perplexity,
+    PASSKEY_INSTRUCTION, PASSKEY_NEEDLE, PASSKEY_QUESTION, _cache_argument, _pieces, _pyplot, _returned_cache,
+    passkey_eval, passkey_prompt, perplexity_by_position, phonebook_eval, plot_passkey, plot_perplexity,
     plot_phonebook, random_digits,
 )
 
@@ -549,16 +550,16 @@ def independent_prompt(tokenizer, sentences: list[str], length: int, depth: floa
 @torch.no_grad()
 def greedy_answer(model, ids: torch.Tensor, new_tokens: int, chunk: int = 2048) -> list[int]:
     """Prefill in chunks through the model's cache, then greedy decoding, one token at a time."""
-    cache, out = None, None
+    cache, out, name = None, None, _cache_argument(model)  # `cache` from transformers 5.24 on, `past_key_values` before
     for start in range(0, ids.shape[1], chunk):
-        out = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        out = model(input_ids=ids[:, start:start + chunk], **{name: cache}, use_cache=True, logits_to_keep=1)
+        cache = _returned_cache(out)
     tokens = []
     for _ in range(new_tokens):
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(token.item())
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(input_ids=token, **{name: cache}, use_cache=True)
+        cache = _returned_cache(out)
     return tokens
 
 

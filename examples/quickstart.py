@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import samba_hf
 
@@ -31,10 +31,11 @@ def main():
     print(f"built {type(model).__name__} '{args.preset}': {n_params:,} parameters, layers {config.layer_types}")
 
     input_ids = torch.randint(0, config.vocab_size, (1, 32))
+    cache = DynamicCache(config=config)  # transformers' hybrid cache, filled in place by the forward
     with torch.no_grad():
-        out = model(input_ids, labels=input_ids, use_cache=True)
+        out = model(input_ids, labels=input_ids, cache=cache, use_cache=True)
     print(f"loss {out.loss.item():.4f} (random weights: about ln(vocab) = {torch.log(torch.tensor(float(config.vocab_size))):.4f})")
-    print(f"cache: {[type(layer).__name__ for layer in out.past_key_values.layers]}")
+    print(f"cache: {[type(layer).__name__ for layer in cache.layers]}")
 
     out_dir = args.out or tempfile.mkdtemp(prefix="samba-quickstart-")
     model.save_pretrained(out_dir)

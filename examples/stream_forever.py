@@ -19,6 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import samba_hf  # noqa: F401
 from samba_hf.cli import default_model_path
+from samba_hf.modeling_samba import CACHE_NAME  # generate's cache argument: `cache` (5.24), `past_key_values` (5.23)
 
 
 def resident_mib() -> float:
@@ -95,7 +96,7 @@ def main():
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=args.tokens,
+        model.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE_NAME: cache}, max_new_tokens=args.tokens,
                        do_sample=True, top_k=50, streamer=meter, pad_token_id=tokenizer.pad_token_id)
     total = time.perf_counter() - start
     print(f"{args.tokens} tokens in {total:.1f} s ({args.tokens * args.batch_size / total:.1f} tokens/s overall)")

@@ -112,8 +112,24 @@ def check_eval_arguments(args) -> None:
         raise UserError(f"--seed must be between 0 and 2**64 - 1, got {args.seed}")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, each option's default added where its help does not say it already (and where there is one
+    to say: not for a flag that is off, nor for an option left out unless given)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not action.option_strings or unset or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, with its errors in the form of every other: one `samba-hf: error:` line, exit status 1."""
+    """argparse, with its errors in the form of every other: one `samba-hf: error:` line, exit status 1; the help
+    shows the defaults (`HelpFormatter`), in every command's parser too."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=HelpFormatter, **kwargs)
 
     def error(self, message):
         print(f"samba-hf: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
@@ -121,7 +137,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="samba-hf", description="Samba language models on transformers.")
+    parser = Parser(prog="samba-hf", description="Samba language models on transformers.", epilog=(
+        "Without --model, generate and eval phonebook / perplexity run the embedded default model (a 5.9M-parameter "
+        "Samba that writes documentation-flavoured English) and eval passkey a passkey-tuned one; `samba-hf COMMAND "
+        "--help` lists a command's options with their defaults."))
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="continue a prompt, streaming the tokens as they come")
     gen.add_argument("prompt", help="the text to continue")
@@ -129,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tokenizer", default=None,
                      help="a tokenizer folder, Hub name or SentencePiece .model file (default: the one in the "
                           "model folder)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64,
+                     help="the most tokens to generate after the prompt (fewer if the model ends its text)")
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=None, help="with --do-sample (default 1.0)")
     gen.add_argument("--top-k", type=int, default=None, help="with --do-sample (default 50; 0 = no limit)")
@@ -169,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                       help="dtype of the written weights (default: the source's); Mamba A_log and D (Mamba-2: and "
                            "dt_bias) stay float32")
-    conv.add_argument("--max-shard-size", default="5GB")
+    conv.add_argument("--max-shard-size", default="5GB", help="the largest weight file to write, e.g. 2GB or 500MB")
     conv.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                       help="compare logits with a reference forward of the source (default: on up to 1B parameters)")
     conv.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload the folder to this Hub repo")
@@ -219,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
         t.add_argument("--force", action="store_true", help=f"replace {task}.json / {task}.png in --out")
         t.add_argument("--prefill-chunk-size", type=int, default=2048,
                        help="long prompts go through the cache this many tokens at a time (bounded memory)")
-        t.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+        t.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="float32: the same scores on every machine; auto: as generate's --dtype")
         t.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
         t.set_defaults(command_name="eval", check=check_eval_arguments)
     return parser

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from samba_hf import SambaConfig, SambaForCausalLM
+from samba_hf.modeling_samba import CACHE_NAME
 
 
 def tiny_config(**overrides) -> SambaConfig:
@@ -32,6 +33,19 @@ def randomize_norms(model):
     for name, param in model.named_parameters():
         if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
             param.uniform_(0.5, 1.5)
+
+
+def returned_cache(output):
+    """The cache a forward or `generate(..., return_dict_in_generate=True)` returned, read under the installed
+    transformers' field name: `cache` from 5.24 on (which warns on `past_key_values`), `past_key_values` in 5.23."""
+    return getattr(output, CACHE_NAME)
+
+
+def cache_kwarg(cache) -> dict:
+    """`generate`'s keyword argument for a cache to continue from: `cache` from transformers 5.24 on (which warns on
+    `past_key_values`), `past_key_values` in 5.23 (which does not know `cache`). A forward of samba-hf's models takes
+    either name, so the tests pass `cache=` there."""
+    return {CACHE_NAME: cache}
 
 
 def held_bytes(cache) -> int:

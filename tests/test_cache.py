@@ -7,7 +7,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionL
 
 from samba_hf.modeling_samba import CACHE_NAME
 
-from conftest import tiny_model
+from conftest import returned_cache, tiny_model
 
 LAYOUTS = {
     "samba": None,  # Mamba on even, sliding attention on odd layers
@@ -22,8 +22,8 @@ def run_in_chunks(model, ids, sizes, attention_mask=None):
     for size in sizes:
         chunk = ids[:, start : start + size]
         mask = None if attention_mask is None else attention_mask[:, : start + size]
-        out = model(chunk, attention_mask=mask, past_key_values=cache, use_cache=True)
-        assert out.past_key_values is cache
+        out = model(chunk, attention_mask=mask, cache=cache, use_cache=True)
+        assert returned_cache(out) is cache
         logits.append(out.logits)
         start += size
     assert start == ids.shape[1]
@@ -48,9 +48,9 @@ def test_cache_has_one_state_per_mamba_layer_and_a_bounded_window():
     ids = torch.randint(3, c.vocab_size, (3, 4 * c.sliding_window))
     cache = DynamicCache(config=c)
     with torch.no_grad():
-        model(ids[:, :5], past_key_values=cache, use_cache=True)
+        model(ids[:, :5], cache=cache, use_cache=True)
         for t in range(5, ids.shape[1]):  # decode token by token, checking every layer after each step
-            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
             for i, layer in enumerate(cache.layers):
                 if c.layer_types[i] == "linear_attention":
                     assert isinstance(layer, LinearAttentionLayer)
@@ -66,14 +66,15 @@ def test_cache_has_one_state_per_mamba_layer_and_a_bounded_window():
 def test_forward_with_use_cache_returns_the_hybrid_cache():
     model = tiny_model()
     out = model(torch.randint(3, 97, (1, 20)), use_cache=True)
-    kinds = [type(layer).__name__ for layer in out.past_key_values.layers]
+    kinds = [type(layer).__name__ for layer in returned_cache(out).layers]
     assert kinds == ["LinearAttentionLayer", "SambaSlidingWindowLayer"] * 2  # transformers' layer, written in place
-    assert model(torch.randint(3, 97, (1, 4)), use_cache=False).past_key_values is None
+    assert returned_cache(model(torch.randint(3, 97, (1, 4)), use_cache=False)) is None
 
 
 def test_the_cache_is_taken_under_either_name():
     """transformers 5.24 passes the cache as `cache`, 5.23 (and users' code) as `past_key_values`: the same tokens
-    either way, on whichever transformers is installed; one cache under both names is refused."""
+    either way, on whichever transformers is installed, and the old name read off an output gives the same cache;
+    one cache under both names is refused. (The other tests use the installed transformers' names.)"""
     model = tiny_model()
     ids = torch.randint(3, 97, (2, 20))
     with torch.no_grad():
@@ -81,8 +82,9 @@ def test_the_cache_is_taken_under_either_name():
         for name in ("cache", "past_key_values"):
             cache = DynamicCache(config=model.config)
             first = model(ids[:, :13], use_cache=True, **{name: cache}).logits
-            rest = model(ids[:, 13:], use_cache=True, **{name: cache}).logits
-            assert (torch.cat([first, rest], 1) - full).abs().max().item() <= 1e-4, name
+            out = model(ids[:, 13:], use_cache=True, **{name: cache})
+            assert (torch.cat([first, out.logits], 1) - full).abs().max().item() <= 1e-4, name
+            assert out.past_key_values is cache is returned_cache(out)  # 5.24 logs the old name's deprecation once
         with pytest.raises(ValueError, match="Pass the cache once, as `cache` or as `past_key_values`, not as both"):
             model(ids, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
 
@@ -126,12 +128,12 @@ def test_left_padded_batch_continues_from_cache():
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
         steps = []
         for t in range(5):
             mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
             pos = pos[:, -1:] + 1
-            steps.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, past_key_values=cache,
+            steps.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache,
                                use_cache=True).logits)
         decoded = torch.cat(steps, dim=1)
         for row, seq in enumerate(seqs):
@@ -174,10 +176,10 @@ def test_inference_chunking_equals_one_pass(layout, monkeypatch):
         assert len(calls) == 7  # 45 tokens in chunks of 7
         assert (whole.logits - chunked.logits).abs().max() <= 1e-4
         nxt = torch.randint(3, 97, (2, 1))
-        a = model(nxt, past_key_values=whole.past_key_values, use_cache=True).logits
-        b = model(nxt, past_key_values=chunked.past_key_values, use_cache=True).logits
+        a = model(nxt, cache=returned_cache(whole), use_cache=True).logits
+        b = model(nxt, cache=returned_cache(chunked), use_cache=True).logits
         assert (a - b).abs().max() <= 1e-4
-        assert model(ids, use_cache=False).past_key_values is None
+        assert returned_cache(model(ids, use_cache=False)) is None
     calls.clear()
     model(ids)  # with autograd on, never chunked (the training graph stays one piece)
     assert len(calls) == 1

@@ -88,6 +88,42 @@ def one_line_error(capsys, argv, *fragments):
         assert fragment in err[-1], err[-1]
 
 
+def test_every_help_shows_the_defaults(capsys):
+    """`samba-hf --help` says what runs without --model; in each command's help every option has a text, and each
+    default (other than off / not given) is shown."""
+    import argparse
+
+    from samba_hf_cli import build_parser
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "Without --model, generate and eval phonebook / perplexity run the embedded default model" in " ".join(
+        capsys.readouterr().out.split())
+    seen = 0
+    for parser in parsers(build_parser()):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"{parser.prog} {action.option_strings[0]} has no help text"
+            if action.default is not None and action.default is not False:
+                assert f"default: {action.default})" in text or f"default {action.default}" in text, (
+                    parser.prog, action.option_strings[0])
+                seen += 1
+    assert seen > 20
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert ("--max-new-tokens MAX_NEW_TOKENS the most tokens to generate after the prompt (fewer if the model ends its "
+            "text) (default: 64)") in " ".join(capsys.readouterr().out.split())
+
+
 def test_missing_folder(capsys, tmp_path):
     one_line_error(capsys, ["generate", "hi", "--model", str(tmp_path / "nope")], "no such model folder")
 

@@ -44,3 +44,17 @@ def test_its_greedy_text_is_made_of_english_words():
     known = set(re.findall(r"[A-Za-z]+", " ".join(topics.values())))
     assert len(words) >= 8, out
     assert sum(w in known for w in words) / len(words) >= 0.9, out
+
+
+def test_the_model_page_quotes_what_its_command_writes():
+    """docs/model.md quotes the greedy text of a `samba-hf generate` command that names its dtype: the command, run
+    as the CLI runs it (weights in that dtype, no special tokens, 64 new tokens), writes the quote."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "model.md").read_text()
+    command = re.search(r'`samba-hf generate "([^"]+)" --dtype (\w+)` \(greedy\):\s+\*"([^"]+)"\*', page)
+    assert command, "docs/model.md no longer quotes a samba-hf generate command with its dtype"
+    prompt, dtype, quote = command.groups()
+    tokenizer = AutoTokenizer.from_pretrained(FOLDER)
+    model = AutoModelForCausalLM.from_pretrained(FOLDER, dtype=getattr(torch, dtype)).eval()
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    written = prompt + tokenizer.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1] :])
+    assert " ".join(written.split()).startswith(" ".join(quote.split())), written

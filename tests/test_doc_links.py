@@ -69,3 +69,21 @@ def test_the_checker_finds_what_is_broken(tmp_path):
                                                      "other.md#setup"]
     assert broken_links(page) == ["page.md:7: pic.png (no such file)", "page.md:7: #nothing (no heading gives #nothing)",
                                   "page.md:7: other.md#setup (no heading gives #setup)"]
+
+
+def test_the_speed_page_opens_with_a_summary_and_keeps_the_runs_apart():
+    """docs/speed.md's first section is one table of what is fast against what, each row naming its machine (or
+    pointing at the row above's) and its date, and linking to its run in docs/speed-history.md, which holds the runs;
+    no round of history is left on the summary page."""
+    speed, history = (ROOT / "docs" / "speed.md").read_text(), (ROOT / "docs" / "speed-history.md").read_text()
+    sections = re.split(r"^## ", speed, flags=re.M)
+    assert sections[1].startswith("Summary\n"), sections[1][:80]
+    rows = [line for line in sections[1].splitlines() if line.startswith("| ")][2:]  # after the header and |---|
+    assert len(rows) >= 10
+    for row in rows:
+        machine = row.strip(" |").split(" | ")[-1]
+        assert re.search(r"20\d\d-\d\d-\d\d", machine) or machine.startswith("same "), row
+    assert sum("speed-history.md#" in row for row in rows) >= 8
+    for run in ("third round, 2026-11-24", "second round, 2026-11-22", "The H200 run (2026-11-26)",
+                "The first GPU run"):
+        assert f"## {run}" not in speed and run in history, run

@@ -3,6 +3,7 @@ oracle models (one that copies the key scores 100%, one that cannot see it score
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -359,6 +360,67 @@ def test_eval_passkey_runs_the_passkey_model_by_default(capsys):
     captured = capsys.readouterr()
     assert "embedded passkey model" in captured.err
     assert captured.out.splitlines()[-1].split() == ["0.50", "100%"]
+
+
+def test_eval_says_what_it_is_about_to_run_before_it_runs(capsys, llama_folder, monkeypatch):
+    """A bare `eval passkey` names its prompts, the longest and the tokens in all; the line comes before any prompt."""
+    import samba_hf.evaluation as evaluation
+    from samba_hf.cli import _say_the_work
+    from samba_hf_cli import build_parser, check_eval_arguments
+
+    args = build_parser().parse_args(["eval", "passkey"])
+    check_eval_arguments(args)
+    _say_the_work(args)
+    assert capsys.readouterr().err == ("samba-hf: passkey: 24 prompts (4 lengths x 3 depths x 2 trials), the longest "
+                                       "32,768 tokens, up to 261,120 tokens in all\n")
+    said = []
+    run = evaluation.phonebook_eval
+    monkeypatch.setattr(evaluation, "phonebook_eval",
+                        lambda *args, **kwargs: said.append(capsys.readouterr().err) or run(*args, **kwargs))
+    assert main(["eval", "phonebook", "--model", str(llama_folder), "--lengths", "120", "--trials", "1"]) == 0
+    assert said[0].endswith("samba-hf: phonebook: 1 prompt (1 length x 1 trial), the longest 120 tokens, up to 120 "
+                            "tokens in all\n")
+
+
+def test_long_work_gets_an_estimate_and_a_bar_of_tokens_inside_a_prompt(capsys, tokenizer, llama_folder, monkeypatch):
+    """Work longer than `progress_after` seconds is sized from its first forward (one prefill chunk), and a prompt
+    that runs longer shows the tokens read so far; shorter work shows neither. Here the threshold is 0 seconds."""
+    import samba_hf.evaluation as evaluation
+
+    model = LlamaForCausalLM.from_pretrained(llama_folder).eval()
+    said = []
+    passkey_eval(model, tokenizer, [300], [0.5], trials=2, prefill_chunk_size=64, progress=True, say=said.append,
+                 progress_after=0)
+    assert len(said) == 1 and re.fullmatch(r"the first 64 tokens took \d+\.\d s: about \d+ seconds for all 600 at "
+                                           r"that rate", said[0]), said
+    err = capsys.readouterr().err
+    assert re.search(r"tokens: +\d+%.*\| *[\d.]+/\d+ ", err), err  # a bar of tokens inside the prompt ("64.0/298")
+    passkey_eval(model, tokenizer, [300], [0.5], trials=1, prefill_chunk_size=64, progress=True, say=said.append,
+                 progress_after=3600)
+    assert len(said) == 1 and "tokens:" not in capsys.readouterr().err
+    monkeypatch.setattr(evaluation, "PROGRESS_AFTER_S", 0)  # the CLI's threshold
+    assert main(["eval", "passkey", "--model", str(llama_folder), "--lengths", "200", "--depths", "1", "--trials", "1",
+                 "--prefill-chunk-size", "50"]) == 0
+    err = capsys.readouterr().err
+    assert "samba-hf: the first 50 tokens took" in err and "for all 200 at that rate" in err and "tokens:" in err
+
+
+def test_eval_phonebook_says_when_the_model_was_never_taught_the_task(capsys, llama_folder, monkeypatch):
+    import samba_hf.evaluation as evaluation
+
+    assert main(["eval", "phonebook", "--lengths", "120", "--trials", "1"]) == 0  # the embedded default model
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[-1].split() == ["120", "tokens", "0%"]
+    assert captured.err.splitlines()[-1] == (
+        "samba-hf: note: 0% at every length, as expected: the embedded default model was never trained for phonebook "
+        "lookup (it writes documentation-flavoured English); pass --model to evaluate a model that was")
+    assert main(["eval", "phonebook", "--model", str(llama_folder), "--lengths", "120", "--trials", "1"]) == 0
+    assert "0% at every length: the model found no number at all, as one never trained for phonebook lookup does" in (
+        capsys.readouterr().err.splitlines()[-1])
+    right = {"rows": [{"length": 120, "accuracy": 0.2, "samples": []}]}  # one right answer in five: no note
+    monkeypatch.setattr(evaluation, "phonebook_eval", lambda *args, **kwargs: dict(right))
+    assert main(["eval", "phonebook", "--model", str(llama_folder), "--lengths", "120", "--trials", "5"]) == 0
+    assert "note" not in capsys.readouterr().err
 
 
 def test_eval_interrupted_while_writing_leaves_no_partial_file(capsys, tmp_path, llama_folder, monkeypatch):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers.masking_utils import create_recurrent_attention_mask, create_sliding_window_causal_mask
 
-from conftest import tiny_model
+from conftest import returned_cache, tiny_model
 
 
 def test_loss_is_the_shifted_cross_entropy():
@@ -34,12 +34,27 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         model = tiny_model(seed=3).train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             assert model.model.layers[0].gradient_checkpointing
         model(ids, labels=ids).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6), name
+
+
+def test_the_old_checkpointing_names_still_switch_it_on(tmp_path):
+    """transformers 5.24 renamed gradient checkpointing to activation checkpointing (the tests use the new names,
+    which 5.23 has too); the old ones, deprecated, still switch it on for samba-hf's models."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    model = tiny_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the deprecation of the old names
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        arguments = TrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True, report_to=[])
+    assert all(layer.gradient_checkpointing for layer in model.model.layers) and arguments.activation_checkpointing
 
 
 def test_tied_embeddings_by_default_and_untied_on_request():
@@ -114,7 +129,7 @@ def test_bf16_forward_keeps_mamba_numerics_in_float32():
     with torch.no_grad():
         out = model(ids, use_cache=True)
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()
-    assert out.past_key_values.layers[0].recurrent_states[0].dtype == torch.float32
+    assert returned_cache(out).layers[0].recurrent_states[0].dtype == torch.float32
     ref = tiny_model()
     with torch.no_grad():
         assert (ref(ids).logits - out.logits.float()).abs().max() < 0.1

@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionL
 import samba_hf
 from samba_hf.cli import default_model_path
 
-from conftest import held_bytes, tiny_model
+from conftest import cache_kwarg, held_bytes, returned_cache, tiny_model
 
 NEW = 30  # tokens generated: almost 4 windows of 8
 
@@ -119,9 +119,9 @@ def test_chunked_prefill_equals_unchunked(model, chunk):
 
 def test_continue_from_the_cache_of_an_earlier_generate(model, prompt):
     first = gen(model, prompt, do_sample=False, max_new_tokens=12, return_dict_in_generate=True)
-    cache = first.past_key_values
+    cache = returned_cache(first)
     # the cache holds everything but the last generated token: generate continues from there
-    second = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences), past_key_values=cache,
+    second = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences), **cache_kwarg(cache),
                             max_new_tokens=15, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert torch.equal(second, no_cache_greedy(model, prompt, 27))
 
@@ -129,8 +129,8 @@ def test_continue_from_the_cache_of_an_earlier_generate(model, prompt):
 def test_continue_from_the_cache_of_a_forward(model, prompt):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prompt[:, :-1], past_key_values=cache, use_cache=True)
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, max_new_tokens=NEW,
+        model(prompt[:, :-1], cache=cache, use_cache=True)
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), **cache_kwarg(cache), max_new_tokens=NEW,
                          do_sample=False, pad_token_id=0, eos_token_id=None)
     assert torch.equal(out, no_cache_greedy(model, prompt, NEW))
 
@@ -196,7 +196,7 @@ def test_cache_stays_bounded_while_generating(model):
         assert total <= expected_bytes
         seen.append(total)
 
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=steps,
+    model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwarg(cache), max_new_tokens=steps,
                    do_sample=False, pad_token_id=0, eos_token_id=None, stopping_criteria=StoppingCriteriaList([EveryStep(check)]))
     assert len(seen) == steps
     assert seen[-1] == expected_bytes and seen[-10] == expected_bytes  # flat once the window is full

@@ -11,7 +11,7 @@ import torch
 
 from samba_hf import ssm_samba
 
-from conftest import tiny_model
+from conftest import returned_cache, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 KERNELS = ssm_samba.load_kernels()
@@ -174,8 +174,8 @@ def test_a_cached_continuation_never_steps_per_token_in_python(monkeypatch):
     with torch.no_grad():
         reference = model(ids).logits
         monkeypatch.setattr(ssm_samba, "selective_scan_pytorch", not_on_cuda(ssm_samba.selective_scan_pytorch))
-        cache = model(ids[:, :25], use_cache=True).past_key_values
-        continued = model(ids[:, 25:], past_key_values=cache, use_cache=True).logits
+        cache = returned_cache(model(ids[:, :25], use_cache=True))
+        continued = model(ids[:, 25:], cache=cache, use_cache=True).logits
         model.config.inference_chunk_size = 16
         from samba_hf import modeling_samba
 

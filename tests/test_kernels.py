@@ -31,7 +31,7 @@ if ssm_samba.INTERPRET_KERNELS:
 
     kernel_extensions.install()
 
-from conftest import tiny_model  # noqa: E402
+from conftest import returned_cache, tiny_model  # noqa: E402
 from test_mamba2 import float64_ssd, ssd_inputs, tiny_mamba2  # noqa: E402
 from test_reference_models import float64_recurrence  # noqa: E402
 
@@ -389,8 +389,8 @@ def run_everything(model, ids, prefix):
         logits = model(ids).logits
         tokens = model.generate(ids[:, :prefix], attention_mask=torch.ones_like(ids[:, :prefix]), max_new_tokens=5,
                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-        cache = model(ids[:, :prefix], use_cache=True).past_key_values
-        continued = model(ids[:, prefix:], past_key_values=cache, use_cache=True).logits
+        cache = returned_cache(model(ids[:, :prefix], use_cache=True))
+        continued = model(ids[:, prefix:], cache=cache, use_cache=True).logits
         model.config.inference_chunk_size = 4
         chunked = model(ids).logits
         model.config.inference_chunk_size = 0
@@ -463,7 +463,7 @@ def test_a_bfloat16_model_decodes_with_the_kernels(kernels, monkeypatch):
     ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         out = model(ids, use_cache=True)
-        step = model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits
+        step = model(ids[:, -1:], cache=returned_cache(out), use_cache=True).logits
     assert kernels["selective_state_update"] == 2 and torch.isfinite(step).all()
 
 

@@ -15,7 +15,7 @@ from samba_hf import SambaConfig, SambaForCausalLM, ssm_samba
 from samba_hf.conversion import megatron
 from samba_hf.training import LORA_TARGET_MODULES, lora_config
 
-from conftest import held_bytes, randomize_norms, tiny_config
+from conftest import cache_kwarg, held_bytes, randomize_norms, returned_cache, tiny_config
 from megatron_reference import megatron_logits, nemotron_h_logits, random_megatron_state, tiny_geometry
 from test_generation import assert_left_padded_rows_equal_their_own_runs, compiled_generate_equals_eager, gen, no_cache_greedy
 
@@ -201,9 +201,9 @@ def test_cached_decoding_equals_the_full_forward(model):
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :13], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
-        steps += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(13, 20)]
-        steps.append(model(ids[:, 20:], past_key_values=cache, use_cache=True).logits)  # a piece from the cache
+        steps, cache = [out.logits], returned_cache(out)
+        steps += [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(13, 20)]
+        steps.append(model(ids[:, 20:], cache=cache, use_cache=True).logits)  # a piece from the cache
     assert (torch.cat(steps, dim=1) - full).abs().max() <= TOL * full.abs().max()
 
 
@@ -246,7 +246,7 @@ def test_chunked_prefill_equals_unchunked(model, chunk):
 def test_continue_from_the_cache_of_an_earlier_generate(model, prompt):
     first = gen(model, prompt, do_sample=False, max_new_tokens=12, return_dict_in_generate=True)
     second = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences),
-                            past_key_values=first.past_key_values, max_new_tokens=15, do_sample=False, pad_token_id=0,
+                            **cache_kwarg(returned_cache(first)), max_new_tokens=15, do_sample=False, pad_token_id=0,
                             eos_token_id=None)
     assert torch.equal(second, no_cache_greedy(model, prompt, 27))
 
@@ -255,8 +255,8 @@ def test_cache_holds_one_conv_window_and_one_float32_state_per_mamba2_layer(mode
     c = model.config
     cache = DynamicCache(config=c)
     with torch.no_grad():
-        model(prompt, past_key_values=cache, use_cache=True)
-        model(prompt[:, :1], past_key_values=cache, use_cache=True)  # one decoding step
+        model(prompt, cache=cache, use_cache=True)
+        model(prompt[:, :1], cache=cache, use_cache=True)  # one decoding step
     for kind, layer in zip(c.layer_types, cache.layers):
         if kind == "linear_attention":
             assert isinstance(layer, LinearAttentionLayer)
@@ -269,9 +269,9 @@ def test_cache_holds_one_conv_window_and_one_float32_state_per_mamba2_layer(mode
     assert held_bytes(cache) == model.cache_nbytes(batch_size=2, seq_len=prompt.shape[1] + 1)
     samba = SambaForCausalLM(tiny_config()).eval()  # a Samba (Mamba-1) model's cache, filled
     with torch.no_grad():
-        wrong = samba(prompt, use_cache=True).past_key_values
+        wrong = returned_cache(samba(prompt, use_cache=True))
         with pytest.raises(ValueError, match="past_key_values (has 4 layers|was built for another config)"):
-            model(prompt, past_key_values=wrong, use_cache=True)
+            model(prompt, cache=wrong, use_cache=True)
 
 
 def test_packed_documents_train_as_if_run_one_by_one():
@@ -296,7 +296,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         model = tiny_mamba2("megatron", seed=4).train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model(ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert all(grads[0][n] is not None and (grads[0][n] - grads[1][n]).abs().max() <= 1e-6 for n in grads[0])
@@ -330,7 +330,7 @@ def test_lora_on_each_projection_changes_prefill_and_cached_decoding(target):
     with torch.no_grad():
         full = model(input_ids=ids).logits
         out = model(input_ids=ids[:, :-3], use_cache=True)
-        steps = [model(input_ids=ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True).logits
+        steps = [model(input_ids=ids[:, t : t + 1], cache=returned_cache(out), use_cache=True).logits
                  for t in range(11, 14)]
         with model.disable_adapter():
             base = model(input_ids=ids).logits

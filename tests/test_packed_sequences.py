@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DataCollatorWithFlattening
 
-from conftest import tiny_model
+from conftest import returned_cache, tiny_model
 
 LAYOUTS = {
     "samba": None,
@@ -85,10 +85,10 @@ def test_packed_batch_returns_no_cache_and_cannot_continue_one():
     ids = torch.cat(docs)[None]
     position_ids = torch.cat([torch.arange(len(d)) for d in docs])[None]
     with torch.no_grad():
-        assert model(ids, position_ids=position_ids, use_cache=True).past_key_values is None
-        cache = model(docs[0][None], use_cache=True).past_key_values
+        assert returned_cache(model(ids, position_ids=position_ids, use_cache=True)) is None
+        cache = returned_cache(model(docs[0][None], use_cache=True))
         with pytest.raises(ValueError, match="cannot continue from a cache"):
-            model(ids, position_ids=position_ids, past_key_values=cache)
+            model(ids, position_ids=position_ids, cache=cache)
 
 
 def test_packed_training_with_gradient_checkpointing():
@@ -99,7 +99,7 @@ def test_packed_training_with_gradient_checkpointing():
     reference.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model(**batch).loss.backward()
     for name, param in model.named_parameters():
         assert torch.allclose(param.grad, expected[name], atol=1e-6), name

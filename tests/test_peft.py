@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from samba_hf.training import LORA_TARGET_MODULES, lora_config
 
-from conftest import tiny_model
+from conftest import returned_cache, tiny_model
 
 IDS = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(0))
 
@@ -22,10 +22,10 @@ def adapted(target, seed=0):
 def decode_logits(model, ids):
     """Prefill all but the last 3 tokens, then decode them one by one through the cache."""
     out = model(input_ids=ids[:, :-3], use_cache=True)
-    cache, steps = out.past_key_values, []
+    cache, steps = returned_cache(out), []
     assert isinstance(cache, DynamicCache)
     for t in range(ids.shape[1] - 3, ids.shape[1]):
-        out = model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
         steps.append(out.logits)
     return torch.cat(steps, dim=1)
 
@@ -95,7 +95,7 @@ def test_generate_with_an_adapter_uses_the_hybrid_cache():
     prompt = IDS[:1, :6]
     out = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
                          pad_token_id=0, eos_token_id=None)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     assert isinstance(cache, DynamicCache) and cache.get_recurrent_state(0) is not None
     ids = out.sequences
     with torch.no_grad():  # greedy tokens equal the argmax of a full forward of the adapted model

@@ -67,7 +67,7 @@ def test_gradient_checkpointing_trains_the_same(tmp_path):
     data, collator = examples(8, seed=2), DataCollatorForLanguageModeling(tokenizer(), mlm=False)
     losses = []
     for checkpointing in (False, True):
-        trainer = Trainer(model=tiny_model(seed=3), args=arguments(tmp_path, gradient_checkpointing=checkpointing),
+        trainer = Trainer(model=tiny_model(seed=3), args=arguments(tmp_path, activation_checkpointing=checkpointing),
                           train_dataset=data, data_collator=collator)
         trainer.train()
         losses.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
@@ -115,7 +115,8 @@ def test_trl_sft_trainer_with_a_lora_config(tmp_path):
     model = tiny_model(seed=6)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     config = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
-                       report_to=[], use_cpu=True, save_strategy="no", max_length=32, learning_rate=1e-2)
+                       report_to=[], use_cpu=True, save_strategy="no", max_length=32, learning_rate=1e-2,
+                       activation_checkpointing=True)  # TRL's default, under transformers' current name
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
                          processing_class=tokenizer(), peft_config=lora_config(r=4))
     trainer.train()

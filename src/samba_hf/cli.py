@@ -417,9 +417,11 @@ def evaluate(args) -> int:
             except ValueError as error:
                 raise UserError(f"--lengths {length}: {error}")
         _note_positions(model, max(args.lengths))
+        _say_the_work(args)
+    progress = dict(progress=True, say=_say, progress_after=evaluation.PROGRESS_AFTER_S)
     if args.task == "passkey":
         result = evaluation.passkey_eval(model, tokenizer, args.lengths, args.depths, args.trials, args.seed,
-                                         prefill_chunk_size=chunk, progress=True)
+                                         prefill_chunk_size=chunk, **progress)
         print(f"passkey accuracy of {name} ({args.trials} trials per cell); rows: depth, columns: length")
         print("depth  " + "".join(f"{n:>8}" for n in args.lengths))
         for depth in args.depths:
@@ -427,10 +429,12 @@ def evaluate(args) -> int:
             print(f"{depth:<7.2f}" + "".join(f"{cells[n]:>8.0%}" for n in args.lengths))
     elif args.task == "phonebook":
         result = evaluation.phonebook_eval(model, tokenizer, args.lengths, args.trials, args.seed,
-                                           prefill_chunk_size=chunk, progress=True)
+                                           prefill_chunk_size=chunk, **progress)
         print(f"phonebook accuracy of {name} ({args.trials} trials per length)")
         for row in result["rows"]:
             print(f"{row['length']:>8} tokens  {row['accuracy']:>5.0%}")
+        if not any(row["accuracy"] for row in result["rows"]):  # chance, for a 10-digit number, is nil
+            print(f"samba-hf: note: {_untaught_phonebook(args.model)}", file=sys.stderr)
     else:
         ids = _perplexity_ids(args, tokenizer)
         _note_positions(model, ids.numel())
@@ -443,6 +447,35 @@ def evaluate(args) -> int:
     if outputs:
         _write_results(result, args, outputs)
     return 0
+
+
+def _say(line: str) -> None:
+    """A `samba-hf:` line on stderr that leaves the progress bars whole."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"samba-hf: {line}", file=sys.stderr)
+
+
+def _say_the_work(args) -> None:
+    """What `eval passkey` / `eval phonebook` is about to run, before it runs: the prompts, the longest, the tokens."""
+    def count(n: int, thing: str) -> str:
+        return f"{n:,} {thing}{'s' if n != 1 else ''}"
+
+    depths = len(args.depths) if args.task == "passkey" else 1
+    shape = " x ".join([count(len(args.lengths), "length")] + [count(depths, "depth")] * (args.task == "passkey")
+                       + [count(args.trials, "trial")])
+    print(f"samba-hf: {args.task}: {count(len(args.lengths) * depths * args.trials, 'prompt')} ({shape}), the "
+          f"longest {max(args.lengths):,} tokens, up to {sum(args.lengths) * depths * args.trials:,} tokens in all",
+          file=sys.stderr)
+
+
+def _untaught_phonebook(model_arg: str | None) -> str:
+    """What a score of 0% at every length says about the model."""
+    if model_arg is None:
+        return ("0% at every length, as expected: the embedded default model was never trained for phonebook lookup "
+                "(it writes documentation-flavoured English); pass --model to evaluate a model that was")
+    return ("0% at every length: the model found no number at all, as one never trained for phonebook lookup does "
+            "(guessing a 10-digit number right has no chance to speak of)")
 
 
 def _eval_outputs(args) -> tuple | None:

@@ -18,6 +18,8 @@ import inspect
 import math
 import random
 import re
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -134,12 +136,17 @@ def _device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def _new_tokens(prompt: Prompt) -> int:
+    """The tokens `answer` generates: enough for the answer and two more."""
+    return prompt.answer_tokens + 2
+
+
 @torch.no_grad()
 def answer(model, tokenizer, prompt: Prompt, prefill_chunk_size: int | None = 2048) -> str:
     """Greedy continuation of the prompt (enough tokens for the answer and two more), through `model.generate`;
     prompts longer than `prefill_chunk_size` tokens are prefilled through the cache in chunks of that size."""
     ids = torch.tensor([prompt.input_ids], device=_device(model))
-    new = prompt.answer_tokens + 2
+    new = _new_tokens(prompt)
     chunked = prefill_chunk_size is not None and ids.shape[1] > prefill_chunk_size
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = model.generate(
@@ -160,18 +167,85 @@ def _progress(total: int, enabled: bool, what: str):
     return tqdm(total=total, disable=not enabled, desc=what, unit="prompt", leave=False)
 
 
+PROGRESS_AFTER_S = 5.0  # a run or a prompt that takes longer than this gets an estimate / a bar of its tokens
+
+
+class _TokenProgress:
+    """What `progress=True` shows inside the prompts, counting the tokens each forward of the model reads: once the
+    first forward of the run is done, an estimate of the whole run at that forward's rate (said through `say`, when
+    the run looks longer than `after` seconds); in a prompt that runs past `after` seconds, a bar of its tokens read
+    so far."""
+
+    def __init__(self, total_tokens: int, enabled: bool, say=None, after: float | None = None):
+        self.total, self.enabled, self.say = total_tokens, enabled, say
+        self.after = PROGRESS_AFTER_S if after is None else after
+        self.estimated, self.bar = False, None
+
+    @contextmanager
+    def prompt(self, model, tokens: int):
+        """Counts the tokens `model` reads inside the block: one prompt and its answer, `tokens` in all."""
+        if not self.enabled:
+            yield
+            return
+        self.tokens, self.read, self.start = tokens, 0, time.perf_counter()
+        hooks = [model.register_forward_pre_hook(lambda *_: setattr(self, "forward_start", time.perf_counter())),
+                 model.register_forward_hook(lambda module, args, kwargs, output: self._forward(args, kwargs),
+                                             with_kwargs=True)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+
+    def _forward(self, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        read = ids.shape[-1] if ids is not None else kwargs["inputs_embeds"].shape[1]
+        self.read += read
+        now = time.perf_counter()
+        if not self.estimated:  # the run's first forward
+            self.estimated = True
+            seconds = now - self.forward_start
+            whole = seconds * self.total / read
+            if whole > self.after and self.say is not None:
+                self.say(f"the first {read:,} tokens took {seconds:.1f} s: about {_duration(whole)} for all "
+                         f"{self.total:,} at that rate")
+        if self.bar is None and now - self.start > self.after:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.tokens, initial=self.read, desc="tokens", unit="token", unit_scale=True,
+                            leave=False)
+        elif self.bar is not None:
+            self.bar.update(read)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} seconds"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} minutes"
+    return f"{seconds / 3600:.1f} hours"
+
+
 def passkey_eval(model, tokenizer, lengths, depths, trials: int = 5, seed: int = 0, digits: int = 5,
-                 prefill_chunk_size: int | None = 2048, progress: bool = False) -> dict:
-    """Passkey accuracy for every (length, depth): `trials` prompts each, with keys drawn from the seed."""
+                 prefill_chunk_size: int | None = 2048, progress: bool = False, say=None,
+                 progress_after: float | None = None) -> dict:
+    """Passkey accuracy for every (length, depth): `trials` prompts each, with keys drawn from the seed.
+    `progress`: bars of the prompts and, in prompts longer than `progress_after` seconds, of their tokens; an
+    estimate of the whole run from its first forward, said through `say` (a function of one line of text)."""
     cells = []
     bar = _progress(len(lengths) * len(depths) * trials, progress, "passkey")
+    tokens = _TokenProgress(sum(lengths) * len(depths) * trials, progress, say, progress_after)
     for length in lengths:
         for depth in depths:
             correct, samples = 0, []
             for trial in range(trials):
                 key = random_digits(_trial_rng(seed, length, depth, trial), digits)
                 prompt = passkey_prompt(tokenizer, length, depth, key)
-                generated = answer(model, tokenizer, prompt, prefill_chunk_size)
+                with tokens.prompt(model, len(prompt.input_ids) + _new_tokens(prompt)):
+                    generated = answer(model, tokenizer, prompt, prefill_chunk_size)
                 correct += exact_match(generated, key)
                 samples.append({"passkey": key, "generated": generated, "tokens": len(prompt.input_ids)})
                 bar.update()
@@ -182,15 +256,19 @@ def passkey_eval(model, tokenizer, lengths, depths, trials: int = 5, seed: int =
 
 
 def phonebook_eval(model, tokenizer, lengths, trials: int = 10, seed: int = 0,
-                   prefill_chunk_size: int | None = 2048, progress: bool = False) -> dict:
-    """Phonebook lookup accuracy for every length: `trials` books each, drawn from the seed."""
+                   prefill_chunk_size: int | None = 2048, progress: bool = False, say=None,
+                   progress_after: float | None = None) -> dict:
+    """Phonebook lookup accuracy for every length: `trials` books each, drawn from the seed (`progress`, `say`,
+    `progress_after`: as for `passkey_eval`)."""
     rows = []
     bar = _progress(len(lengths) * trials, progress, "phonebook")
+    tokens = _TokenProgress(sum(lengths) * trials, progress, say, progress_after)
     for length in lengths:
         correct, samples = 0, []
         for trial in range(trials):
             prompt = phonebook_prompt(tokenizer, length, _trial_rng(seed, length, trial))
-            generated = answer(model, tokenizer, prompt, prefill_chunk_size)
+            with tokens.prompt(model, len(prompt.input_ids) + _new_tokens(prompt)):
+                generated = answer(model, tokenizer, prompt, prefill_chunk_size)
             correct += exact_match(generated, prompt.answer)
             samples.append({"number": prompt.answer, "generated": generated, "tokens": len(prompt.input_ids)})
             bar.update()
@@ -200,10 +278,10 @@ def phonebook_eval(model, tokenizer, lengths, trials: int = 10, seed: int = 0,
 
 
 def _cache_argument(model) -> str:
-    """The name under which the model's forward takes its cache: `past_key_values` up to transformers 5.23
-    (`cache_params` for its Mamba), `cache` from 5.24 on (samba-hf's models take both)."""
+    """The name under which the model's forward takes its cache: `cache` from transformers 5.24 on (samba-hf's
+    models take it with any version), `past_key_values` up to 5.23 (`cache_params` for its Mamba)."""
     parameters = inspect.signature(model.forward).parameters
-    names = [name for name in ("past_key_values", "cache", "cache_params") if name in parameters]
+    names = [name for name in ("cache", "past_key_values", "cache_params") if name in parameters]
     return names[0] if names else "past_key_values"
 
 
