@@ -280,8 +280,8 @@ def test_long_sliding_window_inputs_run_flex_attention_and_match_the_cpu(monkeyp
             out = gpu(*(a.cuda() for a in args)).logits.float().cpu()
             real = args[-1].bool() if len(args) == 2 else slice(None)
             assert (out[real] - ref[real]).abs().max() <= tol * max(1.0, ref.abs().max().item())
-        cache = gpu(ids[:, :200].cuda(), use_cache=True).past_key_values
-        continued = gpu(ids[:, 200:].cuda(), past_key_values=cache).logits.float().cpu()
+        cache = returned_cache(gpu(ids[:, :200].cuda(), use_cache=True))
+        continued = gpu(ids[:, 200:].cuda(), cache=cache).logits.float().cpu()
         assert (continued - cpu(ids).logits[:, 200:]).abs().max() <= tol * max(1.0, ref.abs().max().item())
     assert calls and all(device.type == "cuda" for device in calls)
     if dtype == torch.float32:

@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCau
 
 from samba_hf import ssm_samba
 
-from conftest import tiny_model
+from conftest import returned_cache, tiny_model
 
 TOL = 1e-4
 
@@ -229,8 +229,8 @@ def test_a_model_through_flex_sliding_attention_equals_the_blockwise_path(monkey
     mask[1, :6] = 0
     with torch.no_grad():
         expected = model(ids, attention_mask=mask).logits
-        cached = model(ids[:, :25], use_cache=True).past_key_values
-        expected_continued = model(ids[:, 25:], past_key_values=cached).logits
+        cached = returned_cache(model(ids[:, :25], use_cache=True))
+        expected_continued = model(ids[:, 25:], cache=cached).logits
 
     calls = []
     flex = modeling.sliding_window_attention_flex
@@ -239,8 +239,8 @@ def test_a_model_through_flex_sliding_attention_equals_the_blockwise_path(monkey
     sliding_layers = model.config.layer_types.count("sliding_attention")
     with torch.no_grad():
         got = model(ids, attention_mask=mask).logits
-        cached = model(ids[:, :25], use_cache=True).past_key_values
-        continued = model(ids[:, 25:], past_key_values=cached).logits
+        cached = returned_cache(model(ids[:, :25], use_cache=True))
+        continued = model(ids[:, 25:], cache=cached).logits
     assert len(calls) == 3 * sliding_layers  # 25 and 15 tokens: both past the window of 8
     real = mask.bool()
     assert (got[real] - expected[real]).abs().max() <= 1e-5
