@@ -42,7 +42,7 @@ from datetime import date
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, NemotronHConfig, NemotronHForCausalLM
 
-from samba_hf import SambaConfig, SambaForCausalLM, ssm_samba
+from samba_hf import SambaConfig, SambaForCausalLM, modeling_samba, ssm_samba
 from samba_hf.modeling_samba import SambaModel, cache_layer_kind
 
 MODELS = ("Samba-1.3B", "Llama-1.3B", "Mamba-2-Hybrid", "NemotronH")
@@ -165,7 +165,9 @@ def prefill(model, length: int, repeat: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, length), device=model.device)
     best, peak = float("inf"), 0.0
     with torch.no_grad():
-        model(ids[:, : min(length, 256)], use_cache=False, logits_to_keep=1)  # warm-up (kernels' first launch)
+        # warm-up: the kernels' first launch, and (past the window) flex_attention's compile and its recompile with
+        # dynamic shapes, which would otherwise land in the one timed run of the longest prompts
+        model(ids[:, : min(length, 4096)], use_cache=False, logits_to_keep=1)
         for _ in range(repeat):
             with Timer() as t:
                 model(ids, use_cache=False, logits_to_keep=1)
@@ -271,6 +273,8 @@ def measure(args, device) -> dict:
             row = result["models"][name]
             row["parameters"] = sum(p.numel() for p in model.parameters())
             PHASES[phase](args, name, model, row)
+            # which path Samba's long sliding-window prompts took: flex_attention, or block-wise where it failed
+            result["flex_attention_works"] = {str(key): ok for key, ok in modeling_samba._FLEX_ATTENTION_WORKS.items()}
             del model
             if args.out:  # so that a run cut short keeps what it measured
                 write_json(args.out, result)
