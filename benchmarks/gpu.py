@@ -258,6 +258,7 @@ def measure(args, device) -> dict:
     }
     result["sliding_attention"] = sliding_attention(args, device, dtype)
     result["mamba_conv"] = mamba_conv(args, device, dtype)
+    result["mamba_scan"] = mamba_scan(args, device, dtype)
     chosen = {name: config for name, config in configs(args.smoke).items() if name in args.models.split(",")}
     for name in chosen:
         result["models"][name] = {"prefill": {}, "decode": {}, "train": {}}
@@ -412,6 +413,55 @@ def mamba_conv(args, device, dtype) -> dict:
         with torch.no_grad():
             rows[length] = attempt(measure)
         report("conv", f"length {length}", rows[length])
+    return rows
+
+
+def mamba_scan(args, device, dtype) -> dict:
+    """One Samba-1.3B Mamba layer's selective scan (d_inner channels, d_state states, the gate z, inputs in the
+    mixer's dtype) at each length up to 32K, through `ssm_samba.selective_scan` as the model calls it, once with each
+    scan this run has: samba-hf's Triton scan, mamba-ssm's CUDA scan, and (up to 4K: a Python step per token) the
+    PyTorch scan (with --smoke, on a CPU: its CPU scan); seconds for the forward (no autograd), and for forward and
+    backward at 4K. Where the scans go in a
+    prefill, and how the Triton scan stands against mamba-ssm's (#32 asks for within 1.2x)."""
+    config = configs(args.smoke)["Samba-1.3B"]
+    d, n = config.mamba_d_inner, config.mamba_d_state
+    found = ssm_samba.load_kernels()
+    only = {"triton": found._replace(selective_scan_fn=None, selective_state_update=None),
+            "mamba_ssm": found._replace(selective_scan_triton=None, selective_state_update=None),
+            "pytorch": found._replace(**{name: None for name in ssm_samba.Kernels._fields[:-1]})}
+    available = {"triton": found.selective_scan_triton, "mamba_ssm": found.selective_scan_fn, "pytorch": True}
+    rows = {}
+    for length in attention_lengths(args):
+        if skip_reason(args):
+            rows[length] = {"skipped": skip_reason(args)}
+            continue
+        g = torch.Generator(device=device).manual_seed(0)
+        u, z = (torch.randn(1, length, d, device=device, generator=g).to(dtype) for _ in range(2))
+        dt = torch.nn.functional.softplus(torch.randn(1, length, d, device=device, generator=g) - 4).to(dtype)
+        A = -torch.rand(d, n, device=device, generator=g) * 16
+        B, C = (torch.randn(1, length, n, device=device, generator=g).to(dtype) for _ in range(2))
+        D = torch.ones(d, device=device)
+
+        def measure():
+            row = {}
+            for name, kernels in only.items():
+                if available[name] is None or (name == "pytorch" and length > 4096 and not args.smoke):
+                    continue
+                ssm_samba._KERNELS = kernels
+                try:
+                    with torch.no_grad():
+                        row[f"{name}_seconds"] = timed(lambda: ssm_samba.selective_scan(u, dt, A, B, C, D, z))
+                    if length == min(4096, max(attention_lengths(args))):
+                        leaves = [t.detach().requires_grad_() for t in (u, dt, B, C, z)]
+                        row[f"{name}_train_seconds"] = timed(
+                            lambda: ssm_samba.selective_scan(leaves[0], leaves[1], A, leaves[2], leaves[3], D,
+                                                             leaves[4])[0].float().sum().backward())
+                finally:
+                    ssm_samba._KERNELS = found
+            return row
+
+        rows[length] = attempt(measure)
+        report("scan", f"length {length}", rows[length])
     return rows
 
 
@@ -602,7 +652,7 @@ def main(argv=None):
     else:
         device = torch.device("cuda")
     if args.kernels != "all":
-        keep = ("selective_scan_triton",) if args.kernels == "triton" else ()
+        keep = ("selective_scan_triton", "ssd_scan_triton") if args.kernels == "triton" else ()
         found = ssm_samba.load_kernels()
         ssm_samba._KERNELS = found._replace(**{name: None for name in ssm_samba.Kernels._fields[:-1]
                                                if name not in keep})
