@@ -421,8 +421,8 @@ def mamba_scan(args, device, dtype) -> dict:
     mixer's dtype) at each length up to 32K, through `ssm_samba.selective_scan` as the model calls it, once with each
     scan this run has: samba-hf's Triton scan, mamba-ssm's CUDA scan, and (up to 4K: a Python step per token) the
     PyTorch scan (with --smoke, on a CPU: its CPU scan); seconds for the forward (no autograd), and for forward and
-    backward at 4K. Where the scans go in a
-    prefill, and how the Triton scan stands against mamba-ssm's (#32 asks for within 1.2x)."""
+    backward at 4K. Where the scans go in a prefill, and how the Triton scan stands against mamba-ssm's (#32 asks
+    for within 1.2x)."""
     config = configs(args.smoke)["Samba-1.3B"]
     d, n = config.mamba_d_inner, config.mamba_d_state
     found = ssm_samba.load_kernels()
