@@ -304,6 +304,44 @@ def decode_phase(args, name, model, row):
             entry["eager"] = ({"skipped": why} if why
                               else attempt(lambda: decode_eager(model, context, batch, args.steps)))
             report(name, f"decode {context}x{batch} eager", entry["eager"])
+    if not skip_reason(args):
+        row["decode_profile"] = attempt(lambda: decode_profile(model, ints(args.decode)[0]))
+
+
+def decode_profile(model, context: int, steps: int = 3) -> dict:
+    """Where an eager decoding step's time goes (batch 1, after warm-up steps): torch.profiler's top operators by
+    self CPU time and by self device time, and the host-device synchronisations per step (each one stops the host
+    from running ahead of the GPU). On the H200 samba-hf's Mamba-2-Hybrid stepped 10x slower than NemotronH's torch
+    path on the same layout, and not on a CPU: this is what the next run looks at."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = filled_cache(model, 1, context)
+    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+
+    def step(at):
+        position = torch.full((1, 1), context + at, device=model.device)
+        return model(token, past_key_values=cache, use_cache=True, position_ids=position).logits[:, -1:].argmax(-1)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+    with torch.no_grad():
+        for at in range(2):
+            token = step(at)
+        with profile(activities=activities) as trace:
+            for at in range(2, 2 + steps):
+                token = step(at)
+    events = trace.key_averages()
+    device_time = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+
+    def top(key):
+        ranked = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:12]
+        return [[e.key, round(getattr(e, key, 0) / steps / 1000, 4), round(e.count / steps, 1)] for e in ranked]
+
+    def per_step(*names):
+        return sum(e.count for e in events if any(name in e.key for name in names)) / steps
+
+    return {"ms_per_step_cpu_by_op": top("self_cpu_time_total"), "ms_per_step_device_by_op": top(device_time),
+            "values_read_on_host_per_step": per_step("aten::_local_scalar_dense", "aten::tolist"),
+            "synchronize_calls_per_step": per_step("Synchronize"), "ops_per_step": per_step("")}
 
 
 def train_phase(args, name, model, row):
