@@ -473,6 +473,7 @@ def test_eval_and_generate_take_a_sentencepiece_model_file(capsys, tmp_path, lla
     (tmp_path / "tokenizer.json").write_text("{}")
     for argv in (eval_argv, generate_argv):
         one_line_error(capsys, [*argv[:-1], str(tmp_path / "cut.model")], "cut.model is not a SentencePiece model")
+        one_line_error(capsys, [*argv[:-1], str(tmp_path / "missing.model")], "no such file: ")
         one_line_error(capsys, [*argv[:-1], str(tmp_path / "tokenizer.json")],
                        "--tokenizer takes a tokenizer folder (tokenizer.json, tokenizer_config.json, ...), a Hub name "
                        "or a SentencePiece .model file")

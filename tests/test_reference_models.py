@@ -247,6 +247,27 @@ def test_a_model_through_flex_sliding_attention_equals_the_blockwise_path(monkey
     assert (continued - expected_continued).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("flex", [False, True])
+def test_a_4d_mask_on_a_long_input_is_used_as_given(monkeypatch, flex):
+    """A 4D attention mask (boolean, or additive: 0 where allowed, -inf elsewhere) on an input longer than the window
+    goes to the sliding layers as given, on the block-wise (CPU) and the flex_attention (GPU) choice alike: here the
+    sliding band itself, which must give the logits of no mask at all. (An additive mask was taken as a boolean one
+    there, its band inverted; the flex path failed on its shape.)"""
+    import samba_hf.modeling_samba as modeling
+
+    model = tiny_model(seed=5)
+    if flex:
+        monkeypatch.setattr(modeling.SambaModel, "_flex_sliding", lambda self, inputs_embeds: True)
+    ids = torch.randint(3, 97, (2, 30))
+    i, j = torch.arange(30)[:, None], torch.arange(30)[None, :]
+    band = ((i - j >= 0) & (i - j < model.config.sliding_window))[None, None].expand(2, 1, 30, 30)
+    additive = torch.zeros(band.shape).masked_fill(~band, float("-inf"))
+    with torch.no_grad():
+        expected = model(ids).logits
+        for mask in (band, additive):
+            assert (model(ids, attention_mask=mask).logits - expected).abs().max() <= 1e-5
+
+
 def test_flex_attention_that_fails_is_said_once_and_left_out(monkeypatch, caplog):
     import samba_hf.modeling_samba as modeling
 

@@ -180,6 +180,9 @@ def load_tokenizer(tokenizer: str | os.PathLike):
         from .conversion.sentencepiece_tokenizer import tokenizer_from_sentencepiece
 
         return tokenizer_from_sentencepiece(path)
+    if path.suffix == ".model" and not path.exists():
+        raise ModelFolderError(f"no such file: {str(tokenizer)!r} (--tokenizer takes a tokenizer folder, a Hub name "
+                               "or a SentencePiece .model file)")
     if path.is_file():
         raise ModelFolderError(f"{str(tokenizer)!r} is a file but not a SentencePiece .model; --tokenizer takes a "
                                "tokenizer folder (tokenizer.json, tokenizer_config.json, ...), a Hub name or a "

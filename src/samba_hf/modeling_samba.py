@@ -348,8 +348,8 @@ def sliding_window_attention_flex(
 ) -> torch.Tensor:
     """The same attention as `sliding_window_attention_blockwise`, through torch's flex_attention with the block mask
     of `sliding_window_block_mask`: on a GPU one compiled kernel that skips the blocks outside the band (on an H200
-    at 32K, 5x the block-wise path's keys per second; docs/speed.md). Shapes as there; a padded query that sees no
-    key gets zeros. Compiled once (torch.compile's dynamic shapes take the later lengths), eager on a CPU."""
+    3x the block-wise path's keys per second at 4K, 5x at 32K; docs/speed.md). Shapes as there; a padded query that
+    sees no key gets zeros. Compiled once (torch.compile's dynamic shapes take the later lengths), eager on a CPU."""
     from torch.nn.attention.flex_attention import flex_attention
 
     global _COMPILED_FLEX_ATTENTION
@@ -368,35 +368,47 @@ _FLEX_ATTENTION_WORKS: dict = {}
 
 def flex_attention_works(device: torch.device, dtype: torch.dtype, config) -> bool:
     """Whether flex_attention compiles and runs right here: tried once per device, dtype and head shape on a small
-    sliding-window problem against the block-wise path. If it does not, that is said once and the block-wise path
-    runs (not while torch.compile traces: there the block-wise path runs)."""
+    sliding-window problem of the kinds the model runs (padded keys after a cached past, and a backward) against the
+    block-wise path. If it does not, that is said once and the block-wise path runs. Never called while
+    torch.compile traces (`SambaModel._flex_sliding`)."""
     from types import SimpleNamespace
 
     groups = config.num_attention_heads // config.num_key_value_heads
     key = (str(device), dtype, config.head_dim, groups)
     if key not in _FLEX_ATTENTION_WORKS:
-        if torch.compiler.is_compiling():
-            return False
         module = SimpleNamespace(num_key_value_groups=groups)
         g = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(1, 2 * groups, 300, config.head_dim, generator=g, device=device).to(dtype)
-        k, v = (torch.randn(1, 2, 300, config.head_dim, generator=g, device=device).to(dtype) for _ in range(2))
-        scale, window = config.head_dim**-0.5, 64
+        past, length, window = 40, 300, 64
+        q = torch.randn(2, 2 * groups, length, config.head_dim, generator=g, device=device).to(dtype)
+        k, v = (torch.randn(2, 2, past + length, config.head_dim, generator=g, device=device).to(dtype)
+                for _ in range(2))
+        padding = torch.ones(2, past + length, dtype=torch.bool, device=device)
+        padding[1, :100] = False  # the second row left-padded
+        scale, tolerance = config.head_dim**-0.5, (1e-3 if dtype == torch.float32 else 3e-2)
         problem = None
         try:
-            with torch.no_grad():
-                mask = sliding_window_block_mask(None, 1, 300, 300, window, torch.device(device))
-                got = sliding_window_attention_flex(module, q, k, v, mask, scale).float()
-                want = sliding_window_attention_blockwise(module, q, k, v, None, window, scale).float()
-            tolerance = 1e-3 if dtype == torch.float32 else 3e-2
-            if not (got - want).abs().max() <= tolerance:
-                problem = f"its output differs from the block-wise path's by {(got - want).abs().max().item():.3g}"
+            with torch.enable_grad():
+                outputs = []
+                for attend in ("flex", "block-wise"):
+                    # (flex_attention has no backward on a CPU, where the model never takes it: tests only)
+                    leaves = [t.detach().requires_grad_(q.is_cuda) for t in (q, k, v)]
+                    if attend == "flex":
+                        mask = sliding_window_block_mask(padding, 2, length, past + length, window, torch.device(device))
+                        out = sliding_window_attention_flex(module, *leaves, mask, scale)
+                    else:
+                        out = sliding_window_attention_blockwise(module, *leaves, padding, window, scale)
+                    out = out[padding[:, past:]]  # the padded queries' outputs are anything finite
+                    grads = torch.autograd.grad(out.float().sum(), leaves) if q.is_cuda else ()
+                    outputs.append([out.float(), *(t.float() for t in grads)])
+            difference = max((a - b).abs().max().item() for a, b in zip(*outputs))
+            if not difference <= tolerance:
+                problem = f"its values or gradients differ from the block-wise path's by {difference:.3g}"
         except Exception as error:  # noqa: BLE001 - any failure of the compiler or the kernel means: not here
             problem = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if problem is not None:
             logger.warning_once(
                 f"samba-hf: flex_attention does not work on {device} in {dtype} ({problem}); long sliding-window "
-                "inputs go through the block-wise sdpa path (about 5x slower per key on an H200)."
+                "inputs go through the block-wise sdpa path (on an H200 3x slower per key at 4K, 5x at 32K)."
             )
         _FLEX_ATTENTION_WORKS[key] = problem is None
     return _FLEX_ATTENTION_WORKS[key]
@@ -1187,6 +1199,7 @@ class SambaModel(SambaPreTrainedModel):
                 if not (
                     kind == "sliding_attention"
                     and documents is None  # the block-wise path knows no document boundaries
+                    and (attention_mask is None or attention_mask.ndim == 2)  # a 4D mask is used as given
                     and self._blockwise_sliding(inputs_embeds, past_key_values, kwargs)
                 )
             }
@@ -1206,14 +1219,16 @@ class SambaModel(SambaPreTrainedModel):
 
     def _flex_sliding(self, inputs_embeds: torch.Tensor) -> bool:
         """Whether the long sliding-window input `_blockwise_sliding` chose goes through flex_attention instead: on a
-        GPU (where it measured 5x the block-wise path per key, docs/speed.md; on a CPU the block-wise path is the one
-        without a compiler), with flex_attention working there (`flex_attention_works`), and no attention dropout
-        to apply (flex_attention has none)."""
-        return (
-            inputs_embeds.is_cuda
-            and not (self.training and self.config.attention_dropout > 0)
-            and flex_attention_works(inputs_embeds.device, inputs_embeds.dtype, self.config)
-        )
+        GPU (where it measured 3x the block-wise path per key at 4K, 5x at 32K, docs/speed.md; on a CPU the
+        block-wise path is the one without a compiler), not while torch.compile traces this forward (the block-wise
+        path is plain torch), with flex_attention working there in the dtype attention runs in (autocast's, when on;
+        `flex_attention_works`), and no attention dropout to apply (flex_attention has none)."""
+        if not inputs_embeds.is_cuda or torch.compiler.is_compiling():
+            return False
+        if self.training and self.config.attention_dropout > 0:
+            return False
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else inputs_embeds.dtype
+        return flex_attention_works(inputs_embeds.device, dtype, self.config)
 
     def _sliding_cache_length(self, past_key_values: Cache | None) -> int:
         """How many positions the sliding layers' cache holds before this input (they all hold the same)."""
