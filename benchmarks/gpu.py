@@ -455,47 +455,67 @@ def mamba_conv(args, device, dtype) -> dict:
 
 
 def mamba_scan(args, device, dtype) -> dict:
-    """One Samba-1.3B Mamba layer's selective scan (d_inner channels, d_state states, the gate z, inputs in the
-    mixer's dtype) at each length up to 32K, through `ssm_samba.selective_scan` as the model calls it, once with each
-    scan this run has: samba-hf's Triton scan, mamba-ssm's CUDA scan, and (up to 4K: a Python step per token) the
-    PyTorch scan (with --smoke, on a CPU: its CPU scan); seconds for the forward (no autograd), and for forward and
-    backward at 4K. Where the scans go in a prefill, and how the Triton scan stands against mamba-ssm's (#32 asks
-    for within 1.2x)."""
-    config = configs(args.smoke)["Samba-1.3B"]
-    d, n = config.mamba_d_inner, config.mamba_d_state
+    """One Mamba layer's scan at each length up to 32K, through `ssm_samba.selective_scan` / `ssd_scan` as the models
+    call them, once with each scan this run has: samba-hf's Triton scan, mamba-ssm's kernel (the CUDA scan;
+    `mamba_chunk_scan_combined` for Mamba-2), and the PyTorch scan (Mamba-1's a Python step per token: up to 4K only;
+    with --smoke, on a CPU, its CPU scan); seconds for the forward (no autograd), and for forward and backward at 4K.
+    Samba-1.3B's layer ("samba": d_inner channels, d_state states, the gate) and the Mamba-2-Hybrid's ("mamba2":
+    heads x head_dim, groups, d_state). Where the scans go in a prefill, and how samba-hf's Triton scan stands against
+    mamba-ssm's (#32 asks for within 1.2x)."""
+    chosen = configs(args.smoke)
+    samba, hybrid = chosen["Samba-1.3B"], chosen["Mamba-2-Hybrid"]
     found = ssm_samba.load_kernels()
-    only = {"triton": found._replace(selective_scan_fn=None, selective_state_update=None),
-            "mamba_ssm": found._replace(selective_scan_triton=None, selective_state_update=None),
-            "pytorch": found._replace(**{name: None for name in ssm_samba.Kernels._fields[:-1]})}
-    available = {"triton": found.selective_scan_triton, "mamba_ssm": found.selective_scan_fn, "pytorch": True}
+    none = dict.fromkeys(ssm_samba.Kernels._fields[:-1])
+    only = {"triton": found._replace(selective_scan_fn=None, selective_state_update=None, mamba_chunk_scan_combined=None),
+            "mamba_ssm": found._replace(selective_scan_triton=None, ssd_scan_triton=None, selective_state_update=None),
+            "pytorch": found._replace(**none)}
+    available = {"samba": {"triton": found.selective_scan_triton, "mamba_ssm": found.selective_scan_fn},
+                 "mamba2": {"triton": found.ssd_scan_triton, "mamba_ssm": found.mamba_chunk_scan_combined}}
     rows = {}
     for length in attention_lengths(args):
         if skip_reason(args):
             rows[length] = {"skipped": skip_reason(args)}
             continue
         g = torch.Generator(device=device).manual_seed(0)
-        u, z = (torch.randn(1, length, d, device=device, generator=g).to(dtype) for _ in range(2))
-        dt = torch.nn.functional.softplus(torch.randn(1, length, d, device=device, generator=g) - 4).to(dtype)
-        A = -torch.rand(d, n, device=device, generator=g) * 16
-        B, C = (torch.randn(1, length, n, device=device, generator=g).to(dtype) for _ in range(2))
-        D = torch.ones(d, device=device)
+
+        def randn(*shape):
+            return torch.randn(*shape, device=device, generator=g)
+
+        d, n = samba.mamba_d_inner, samba.mamba_d_state
+        heads, p, groups, m = hybrid.mamba2_num_heads, hybrid.mamba2_head_dim, hybrid.mamba2_n_groups, hybrid.mamba_d_state
+        inputs = {  # the tensors that take gradients first, then A and D
+            "samba": ([randn(1, length, d).to(dtype), torch.nn.functional.softplus(randn(1, length, d) - 4).to(dtype),
+                       randn(1, length, n).to(dtype), randn(1, length, n).to(dtype), randn(1, length, d).to(dtype)],
+                      -torch.rand(d, n, device=device, generator=g) * 16, torch.ones(d, device=device)),
+            "mamba2": ([randn(1, length, heads, p).to(dtype), torch.nn.functional.softplus(randn(1, length, heads) - 4),
+                        randn(1, length, groups, m).to(dtype), randn(1, length, groups, m).to(dtype)],
+                       -torch.rand(heads, device=device, generator=g) * 16, torch.ones(heads, device=device)),
+        }
+
+        def scan(kind, leaves, A, D):
+            if kind == "samba":
+                u, dt, B, C, z = leaves
+                return ssm_samba.selective_scan(u, dt, A, B, C, D, z)[0]
+            x, dt, B, C = leaves
+            return ssm_samba.ssd_scan(x, dt, A, B, C, D, chunk_size=hybrid.mamba2_chunk_size)[0]
 
         def measure():
             row = {}
-            for name, kernels in only.items():
-                if available[name] is None or (name == "pytorch" and length > 4096 and not args.smoke):
-                    continue
-                ssm_samba._KERNELS = kernels
-                try:
-                    with torch.no_grad():
-                        row[f"{name}_seconds"] = timed(lambda: ssm_samba.selective_scan(u, dt, A, B, C, D, z))
-                    if length == min(4096, max(attention_lengths(args))):
-                        leaves = [t.detach().requires_grad_() for t in (u, dt, B, C, z)]
-                        row[f"{name}_train_seconds"] = timed(
-                            lambda: ssm_samba.selective_scan(leaves[0], leaves[1], A, leaves[2], leaves[3], D,
-                                                             leaves[4])[0].float().sum().backward())
-                finally:
-                    ssm_samba._KERNELS = found
+            for kind, (tensors, A, D) in inputs.items():
+                for name, kernels in only.items():
+                    present = available[kind].get(name, True)
+                    if present is None or (kind == "samba" and name == "pytorch" and length > 4096 and not args.smoke):
+                        continue
+                    ssm_samba._KERNELS = kernels
+                    try:
+                        with torch.no_grad():
+                            row[f"{kind}_{name}_seconds"] = timed(lambda: scan(kind, tensors, A, D))
+                        if length == min(4096, max(attention_lengths(args))):
+                            leaves = [t.detach().requires_grad_() for t in tensors]
+                            row[f"{kind}_{name}_train_seconds"] = timed(
+                                lambda: scan(kind, leaves, A, D).float().sum().backward())
+                    finally:
+                        ssm_samba._KERNELS = found
             return row
 
         rows[length] = attempt(measure)

@@ -129,10 +129,12 @@ def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
     assert all(row["window_keys_per_s"] > 0 and row["full_causal_keys_per_s"] > 0
                for row in run["sliding_attention"].values())
     assert all(row["conv1d_seconds"] > 0 and row["shifted_adds_seconds"] > 0 for row in run["mamba_conv"].values())
-    # the scan: the one path a CPU without Triton has, forward at each length and with its backward at the longest
+    # the scans: the one path a CPU without Triton has, forward at each length and with its backward at the longest
     assert set(run["mamba_scan"]) == {"32", "64"}
-    assert all(set(row) >= {"pytorch_seconds"} and "triton_seconds" not in row for row in run["mamba_scan"].values())
-    assert run["mamba_scan"]["64"]["pytorch_train_seconds"] > 0
+    for kind in ("samba", "mamba2"):
+        assert all(row[f"{kind}_pytorch_seconds"] > 0 and f"{kind}_triton_seconds" not in row
+                   for row in run["mamba_scan"].values()), kind
+        assert run["mamba_scan"]["64"][f"{kind}_pytorch_train_seconds"] > 0
     for name, row in run["models"].items():
         assert set(row["prefill"]) == {"32", "64"} and set(row["decode"]) == {"24x1", "24x2", "40x1", "40x2"}, name
         measured = [*row["prefill"].values(), *row["train"].values(),
