@@ -223,6 +223,16 @@ def assert_all_close(got, want, tol):
         assert (a.float() - b.float()).abs().max() <= tol * max(1.0, b.float().abs().max().item()), i
 
 
+def assert_a_training_step_matches(gpu, cpu, ids):
+    """The same model on the GPU and on the CPU: one training step's gradients agree, parameter by parameter."""
+    gpu.train()
+    cpu.train()
+    gpu(ids.cuda(), labels=ids.cuda()).loss.backward()
+    cpu(ids, labels=ids).loss.backward()
+    for (name, a), (_, b) in zip(gpu.named_parameters(), cpu.named_parameters()):
+        assert (a.grad.cpu() - b.grad).abs().max() <= 1e-3 * max(1.0, b.grad.abs().max().item()), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_samba_hfs_triton_scans_match_pytorch_with_gradients(triton_scans_only, dtype):
     """Mamba's and Mamba-2's scans across the backward's 64-token chunks, from a state: values and every gradient."""
@@ -288,12 +298,7 @@ def test_long_sliding_window_inputs_run_flex_attention_and_match_the_cpu(monkeyp
     sliding_layers = cpu.config.layer_types.count("sliding_attention")
     assert len(calls) >= 3 * sliding_layers + 1 and all(device.type == "cuda" for device in calls)
     if dtype == torch.float32:
-        gpu.train()
-        cpu.train()
-        gpu(ids.cuda(), labels=ids.cuda()).loss.backward()
-        cpu(ids, labels=ids).loss.backward()
-        for (name, a), (_, b) in zip(gpu.named_parameters(), cpu.named_parameters()):
-            assert (a.grad.cpu() - b.grad).abs().max() <= 1e-3 * max(1.0, b.grad.abs().max().item()), name
+        assert_a_training_step_matches(gpu, cpu, ids)
 
 
 @pytest.mark.parametrize("kind", ["samba", "mamba2"])
@@ -308,9 +313,4 @@ def test_a_model_on_samba_hfs_triton_scans_matches_the_cpu(triton_scans_only, ki
         out = gpu(ids.cuda()).logits.cpu()
     assert (out - ref).abs().max() <= 1e-3 * ref.abs().max()
     assert torch.equal(_greedy(gpu, ids[:, :10].cuda(), 20).cpu(), _greedy(cpu, ids[:, :10], 20))
-    gpu.train()
-    cpu.train()
-    gpu(ids.cuda(), labels=ids.cuda()).loss.backward()
-    cpu(ids, labels=ids).loss.backward()
-    for (name, a), (_, b) in zip(gpu.named_parameters(), cpu.named_parameters()):
-        assert (a.grad.cpu() - b.grad).abs().max() <= 1e-3 * max(1.0, b.grad.abs().max().item()), name
+    assert_a_training_step_matches(gpu, cpu, ids)
