@@ -175,20 +175,30 @@ def prefill(model, length: int, repeat: int) -> dict:
     return {"seconds": best, "tokens_per_s": length / best, "peak_gib": peak}
 
 
-def decode_eager(model, context: int, batch: int, steps: int) -> dict:
+@torch.no_grad()
+def eager_decoder(model, context: int, batch: int):
+    """`run(n)`: n more eager greedy decoding steps of `batch` sequences, on a cache as after `context` tokens (call it
+    under no_grad), after two warm-up steps taken here (first calls' allocations and launches: the first H200 run's 1K
+    rows had them)."""
     cache = filled_cache(model, batch, context)
     token = torch.randint(0, model.config.vocab_size, (batch, 1), device=model.device)
+    at = 0
 
-    def step(at):
-        position = torch.full((batch, 1), context + at, device=model.device)
-        return model(token, past_key_values=cache, use_cache=True, position_ids=position).logits[:, -1:].argmax(-1)
+    def run(steps: int):
+        nonlocal token, at
+        for _ in range(steps):
+            position = torch.full((batch, 1), context + at, device=model.device)
+            token = model(token, past_key_values=cache, use_cache=True, position_ids=position).logits[:, -1:].argmax(-1)
+            at += 1
 
-    with torch.no_grad():
-        for at in range(2):  # warm-up: first calls' allocations and launches (the first H200 run's 1K rows had them)
-            token = step(at)
-        with Timer() as t:
-            for at in range(2, 2 + steps):
-                token = step(at)
+    run(2)
+    return run
+
+
+def decode_eager(model, context: int, batch: int, steps: int) -> dict:
+    run = eager_decoder(model, context, batch)
+    with torch.no_grad(), Timer() as t:
+        run(steps)
     return {"tokens_per_s": batch * steps / t.seconds, "ms_per_step": 1000 * t.seconds / steps, "peak_gib": t.peak_gib}
 
 
@@ -315,20 +325,10 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
     path on the same layout, and not on a CPU: this is what the next run looks at."""
     from torch.profiler import ProfilerActivity, profile
 
-    cache = filled_cache(model, 1, context)
-    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
-
-    def step(at):
-        position = torch.full((1, 1), context + at, device=model.device)
-        return model(token, past_key_values=cache, use_cache=True, position_ids=position).logits[:, -1:].argmax(-1)
-
+    run = eager_decoder(model, context, 1)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
-    with torch.no_grad():
-        for at in range(2):
-            token = step(at)
-        with profile(activities=activities) as trace:
-            for at in range(2, 2 + steps):
-                token = step(at)
+    with torch.no_grad(), profile(activities=activities) as trace:
+        run(steps)
     events = trace.key_averages()
     device_time = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
 
@@ -378,28 +378,21 @@ def sliding_attention(args, device, dtype) -> dict:
     config = configs(args.smoke)["Samba-1.3B"]
     heads, head_dim, window = config.num_attention_heads, config.head_dim, config.sliding_window
     module = SimpleNamespace(num_key_value_groups=1)
-    rows = {}
-    for length in attention_lengths(args):
-        if skip_reason(args):
-            rows[length] = {"skipped": skip_reason(args)}
-            continue
+
+    @torch.no_grad()
+    def measure(length):
         q, k, v = (torch.randn(1, heads, length, head_dim, device=device, dtype=dtype) for _ in range(3))
+        window_s = timed(lambda: sliding_window_attention_blockwise(module, q, k, v, None, window, head_dim**-0.5))
+        full_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        keys = sum(min(i + 1, window) for i in range(length))  # (query, key) pairs each computes that count
+        row = {"window_seconds": window_s, "full_causal_seconds": full_s,
+               "window_keys_per_s": keys / window_s, "full_causal_keys_per_s": length * (length + 1) / 2 / full_s}
+        if device.type == "cuda":  # the other candidate without flash-attn: flex_attention with a sliding mask
+            flex = attempt(lambda: flex_sliding_window(q, k, v, window, keys))
+            row.update({("flex_error" if name == "error" else name): value for name, value in flex.items()})
+        return row
 
-        def measure_both():
-            window_s = timed(lambda: sliding_window_attention_blockwise(module, q, k, v, None, window, head_dim**-0.5))
-            full_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
-            keys = sum(min(i + 1, window) for i in range(length))  # (query, key) pairs each computes that count
-            row = {"window_seconds": window_s, "full_causal_seconds": full_s,
-                   "window_keys_per_s": keys / window_s, "full_causal_keys_per_s": length * (length + 1) / 2 / full_s}
-            if device.type == "cuda":  # the other candidate without flash-attn: flex_attention with a sliding mask
-                flex = attempt(lambda: flex_sliding_window(q, k, v, window, keys))
-                row.update({("flex_error" if name == "error" else name): value for name, value in flex.items()})
-            return row
-
-        with torch.no_grad():
-            rows[length] = attempt(measure_both)
-        report("attention", f"length {length}", rows[length])
-    return rows
+    return at_each_length(args, "attention", measure)
 
 
 def flex_sliding_window(q, k, v, window: int, keys: int) -> dict:
@@ -433,25 +426,18 @@ def mamba_conv(args, device, dtype) -> dict:
     channels, taps = config.mamba_d_inner, config.mamba_d_conv
     conv = torch.nn.Conv1d(channels, channels, taps, groups=channels, padding=taps - 1, device=device, dtype=dtype)
     found = ssm_samba.load_kernels()
-    rows = {}
-    for length in attention_lengths(args):
-        if skip_reason(args):
-            rows[length] = {"skipped": skip_reason(args)}
-            continue
+
+    @torch.no_grad()
+    def measure(length):
         x = torch.randn(1, length, channels, device=device, dtype=dtype).transpose(1, 2)  # (1, d, L), channels last
+        row = {"conv1d_seconds": timed(lambda: conv(x)[..., :length]),
+               "shifted_adds_seconds": timed(lambda: depthwise_causal_conv(conv.weight[:, 0], conv.bias, x, length))}
+        if found.causal_conv1d_fn is not None:
+            row["causal_conv1d_seconds"] = timed(
+                lambda: found.causal_conv1d_fn(x.contiguous(), conv.weight[:, 0], conv.bias, activation=None))
+        return row
 
-        def measure():
-            row = {"conv1d_seconds": timed(lambda: conv(x)[..., :length]),
-                   "shifted_adds_seconds": timed(lambda: depthwise_causal_conv(conv.weight[:, 0], conv.bias, x, length))}
-            if found.causal_conv1d_fn is not None:
-                row["causal_conv1d_seconds"] = timed(
-                    lambda: found.causal_conv1d_fn(x.contiguous(), conv.weight[:, 0], conv.bias, activation=None))
-            return row
-
-        with torch.no_grad():
-            rows[length] = attempt(measure)
-        report("conv", f"length {length}", rows[length])
-    return rows
+    return at_each_length(args, "conv", measure)
 
 
 def mamba_scan(args, device, dtype) -> dict:
@@ -471,11 +457,15 @@ def mamba_scan(args, device, dtype) -> dict:
             "pytorch": found._replace(**none)}
     available = {"samba": {"triton": found.selective_scan_triton, "mamba_ssm": found.selective_scan_fn},
                  "mamba2": {"triton": found.ssd_scan_triton, "mamba_ssm": found.mamba_chunk_scan_combined}}
-    rows = {}
-    for length in attention_lengths(args):
-        if skip_reason(args):
-            rows[length] = {"skipped": skip_reason(args)}
-            continue
+
+    def scan(kind, leaves, A, D):
+        if kind == "samba":
+            u, dt, B, C, z = leaves
+            return ssm_samba.selective_scan(u, dt, A, B, C, D, z)[0]
+        x, dt, B, C = leaves
+        return ssm_samba.ssd_scan(x, dt, A, B, C, D, chunk_size=hybrid.mamba2_chunk_size)[0]
+
+    def measure(length):
         g = torch.Generator(device=device).manual_seed(0)
 
         def randn(*shape):
@@ -491,35 +481,37 @@ def mamba_scan(args, device, dtype) -> dict:
                         randn(1, length, groups, m).to(dtype), randn(1, length, groups, m).to(dtype)],
                        -torch.rand(heads, device=device, generator=g) * 16, torch.ones(heads, device=device)),
         }
+        row = {}
+        for kind, (tensors, A, D) in inputs.items():
+            for name, kernels in only.items():
+                present = available[kind].get(name, True)
+                if present is None or (kind == "samba" and name == "pytorch" and length > 4096 and not args.smoke):
+                    continue
+                ssm_samba._KERNELS = kernels
+                try:
+                    with torch.no_grad():
+                        row[f"{kind}_{name}_seconds"] = timed(lambda: scan(kind, tensors, A, D))
+                    if length == min(4096, max(attention_lengths(args))):
+                        leaves = [t.detach().requires_grad_() for t in tensors]
+                        row[f"{kind}_{name}_train_seconds"] = timed(
+                            lambda: scan(kind, leaves, A, D).float().sum().backward())
+                finally:
+                    ssm_samba._KERNELS = found
+        return row
 
-        def scan(kind, leaves, A, D):
-            if kind == "samba":
-                u, dt, B, C, z = leaves
-                return ssm_samba.selective_scan(u, dt, A, B, C, D, z)[0]
-            x, dt, B, C = leaves
-            return ssm_samba.ssd_scan(x, dt, A, B, C, D, chunk_size=hybrid.mamba2_chunk_size)[0]
+    return at_each_length(args, "scan", measure)
 
-        def measure():
-            row = {}
-            for kind, (tensors, A, D) in inputs.items():
-                for name, kernels in only.items():
-                    present = available[kind].get(name, True)
-                    if present is None or (kind == "samba" and name == "pytorch" and length > 4096 and not args.smoke):
-                        continue
-                    ssm_samba._KERNELS = kernels
-                    try:
-                        with torch.no_grad():
-                            row[f"{kind}_{name}_seconds"] = timed(lambda: scan(kind, tensors, A, D))
-                        if length == min(4096, max(attention_lengths(args))):
-                            leaves = [t.detach().requires_grad_() for t in tensors]
-                            row[f"{kind}_{name}_train_seconds"] = timed(
-                                lambda: scan(kind, leaves, A, D).float().sum().backward())
-                    finally:
-                        ssm_samba._KERNELS = found
-            return row
 
-        rows[length] = attempt(measure)
-        report("scan", f"length {length}", rows[length])
+def at_each_length(args, what: str, measure) -> dict:
+    """{length: measure(length)} at the micro-benchmarks' lengths (`attention_lengths`), each reported as it comes;
+    past --time-limit a length is skipped, and a failure is recorded in its row (`attempt`)."""
+    rows = {}
+    for length in attention_lengths(args):
+        if skip_reason(args):
+            rows[length] = {"skipped": skip_reason(args)}
+            continue
+        rows[length] = attempt(lambda: measure(length))
+        report(what, f"length {length}", rows[length])
     return rows
 
 
