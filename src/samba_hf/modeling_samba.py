@@ -1207,14 +1207,15 @@ class SambaModel(SambaPreTrainedModel):
                 # Long input: sliding layers go block by block from the 2D padding mask (no L x L mask is built),
                 # or on a GPU through flex_attention with a block mask of the band.
                 padding = None if attention_mask is None else attention_mask.bool()
+                mask_mapping["sliding_attention"] = padding
                 if self._flex_sliding(inputs_embeds):
                     q_len = inputs_embeds.shape[1]
                     kv_len = q_len + self._sliding_cache_length(past_key_values)
-                    padding = None if padding is None or bool(padding.all()) else padding[:, -kv_len:]
-                    padding = sliding_window_block_mask(
-                        padding, inputs_embeds.shape[0], q_len, kv_len, self.config.sliding_window, inputs_embeds.device
+                    keys_padding = None if padding is None or bool(padding.all()) else padding[:, -kv_len:]
+                    mask_mapping["sliding_attention"] = sliding_window_block_mask(
+                        keys_padding, inputs_embeds.shape[0], q_len, kv_len, self.config.sliding_window,
+                        inputs_embeds.device,
                     )
-                mask_mapping["sliding_attention"] = padding
         return mask_mapping
 
     def _flex_sliding(self, inputs_embeds: torch.Tensor) -> bool:
