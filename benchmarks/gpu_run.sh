@@ -23,6 +23,15 @@ case "$STAGE" in all|pip|kernels|bench) ;; *) echo "gpu_run.sh: the stage is pip
 OUT=${OUT:-out/gpu}
 BUNDLE=${BUNDLE:-out/gpu-bundle}
 WORK=${WORK:-$HOME/.samba-hf-gpu}
+# what the run needs, checked before anything is written: the bundle, and a GPU
+if ! compgen -G "$BUNDLE/*.whl" > /dev/null; then
+    echo "gpu_run.sh: no wheels in $BUNDLE: run \`bash benchmarks/gpu_prepare.sh\` on a machine with internet and carry $BUNDLE here (or set BUNDLE)" >&2
+    exit 1
+fi
+if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2> /dev/null; then
+    echo "gpu_run.sh: python3's torch sees no CUDA GPU here: run it on the GPU machine" >&2
+    exit 1
+fi
 mkdir -p "$OUT" "$WORK"
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/run.log"; }
 step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output appended to $OUT/steps.log

@@ -1,6 +1,7 @@
 """The benchmark scripts refuse mistaken options with one argparse error, before measuring anything."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,25 @@ def test_the_cache_size_script_refuses_a_file_as_its_folder_and_writes_its_table
 GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 SMOKE = ["--smoke", "--prefill", "32,64", "--decode", "24,40", "--batch", "2", "--steps", "2", "--train", "32",
          "--graphs-max-context", "24"]
+
+
+def test_the_gpu_script_refuses_a_wrong_stage_a_missing_bundle_and_a_machine_without_a_gpu(tmp_path):
+    """benchmarks/gpu_run.sh, as a user might start it wrongly: each is one line, exit 1, and nothing written."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_run.sh"
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "BUNDLE": str(bundle),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # python3: this CPU-only torch
+    cases = [(["tests"], "the stage is pip, kernels, bench or nothing (all), not tests"),  # the old stage name
+             (["pip"], f"no wheels in {bundle}"),
+             (["pip"], "sees no CUDA GPU here")]
+    for number, (argv, said) in enumerate(cases):
+        if number == 2:
+            (bundle / "transformers-5.24.0-py3-none-any.whl").write_bytes(b"")
+        result = subprocess.run(["bash", str(script), *argv], capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 1 and result.stdout == "", result
+        assert result.stderr.count("\n") == 1 and said in result.stderr, result.stderr
+        assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
 
 
 def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
