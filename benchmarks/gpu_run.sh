@@ -2,13 +2,18 @@
 # Everything samba-hf measures and checks on a GPU, for an H100 / H200 without internet access. From the repository
 # root, after `bash benchmarks/gpu_prepare.sh` on a machine with internet:
 #
+#     bash benchmarks/gpu_run.sh            # all of it in one 600 s device command (~9 min; below)
 #     bash benchmarks/gpu_run.sh pip        # what `pip install samba-hf` gives (~9 min): tests/test_gpu.py without
 #                                           # the kernel packages, then benchmarks/gpu.py on samba-hf's Triton scans
 #     bash benchmarks/gpu_run.sh kernels    # build mamba-ssm and causal-conv1d (~5 min), tests/test_gpu.py with them
 #     bash benchmarks/gpu_run.sh bench      # benchmarks/gpu.py with them (after `kernels` on the same machine)
-#     bash benchmarks/gpu_run.sh            # all three (more than one 600 s device command)
 #
-# `pip` first: it needs no build and measures #32's goals. Each stage fits one 600 s device command.
+# The default (all) fits one device command: the two builds run niced on 12 of the 16 cores while tests/test_gpu.py
+# runs without the packages; then tests/test_gpu.py with them; then benchmarks/gpu.py at the lengths #32 names
+# (prefill 4K / 32K / 128K, decode at 1K and 64K) on samba-hf's Triton scans (what `pip install` gives Samba; the
+# micro-benchmark sets them beside mamba-ssm's kernels, and NemotronH takes mamba-ssm), cut off by its
+# --time-limit so that everything ends by $DEADLINE seconds (default 580). The three stages, each one device command,
+# measure more.
 #   1. transformers 5.24 (from the bundle) first on the path; samba-hf from src/;
 #   2. mamba-ssm and causal-conv1d built from their sdists for this GPU's architecture only, both at once (kept in
 #      $WORK, default ~/.samba-hf-gpu, so that `bench` after `kernels` on the same machine reuses them);
@@ -23,6 +28,7 @@ case "$STAGE" in all|pip|kernels|bench) ;; *) echo "gpu_run.sh: the stage is pip
 OUT=${OUT:-out/gpu}
 BUNDLE=${BUNDLE:-out/gpu-bundle}
 WORK=${WORK:-$HOME/.samba-hf-gpu}
+DEADLINE=${DEADLINE:-580}
 # what the run needs, checked before anything is written: the bundle, and a GPU
 if ! compgen -G "$BUNDLE/*.whl" > /dev/null; then
     echo "gpu_run.sh: no wheels in $BUNDLE: run \`bash benchmarks/gpu_prepare.sh\` on a machine with internet and carry $BUNDLE here (or set BUNDLE)" >&2
@@ -62,26 +68,43 @@ build() {  # build SDIST: for this architecture only, into its own folder under 
     tar -xzf "$1" -C "$WORK"
     # keep only this GPU's architecture: set just before setup.py's "# HACK: ... _GLIBCXX_USE_CXX11_ABI" comment
     sed -i "s|^    # HACK: The compiler flag -D_GLIBCXX_USE_CXX11_ABI|    cc_flag = [\"-gencode\", \"arch=compute_${arch},code=sm_${arch}\"]\n&|" "$dir/setup.py"
-    (cd "$dir" && MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=8 \
+    (cd "$dir" && MAMBA_FORCE_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-8} \
         python3 -m pip install --no-build-isolation --no-deps --no-index --target "$kernels/$(basename "$dir")" .)
 }
 export -f build; export WORK kernels arch
 with_kernels="$PWD/src:$(printf '%s:' "$kernels"/*)$site"
 without="$PWD/src:$site"
-if [ "$STAGE" = all ] || [ "$STAGE" = pip ]; then
+if [ "$STAGE" = all ]; then
+    # the builds on 12 of the 16 cores, niced, while the tests without the packages run on the GPU
+    step build-mamba-ssm 330 nice -n 10 env MAX_JOBS=9 bash -c "build $BUNDLE/mamba_ssm-*.tar.gz" &
+    step build-causal-conv1d 330 nice -n 10 env MAX_JOBS=3 bash -c "build $BUNDLE/causal_conv1d-*.tar.gz" &
+    step test-gpu-without-kernels 240 env PYTHONPATH="$without" python3 -m pytest -q -rf --durations=8 tests/test_gpu.py
+    wait
+    with_kernels="$PWD/src:$(printf '%s:' "$kernels"/*)$site"
+    step test-gpu-with-kernels 170 env PYTHONPATH="$with_kernels" python3 -m pytest -q -rf --durations=8 tests/test_gpu.py
+    left=$((DEADLINE - SECONDS))  # the benchmark stops measuring a minute before, and is stopped at, the deadline
+    if [ "$left" -gt 90 ]; then
+        step bench-pip-install "$left" env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --kernels triton \
+            --prefill 4096,32768,131072 --decode 1024,65536 --steps 16 --time-limit $((left - 60)) \
+            --out "$OUT/gpu-pip-install.json"
+    else
+        log "no time left for the benchmark (${left}s to the deadline): run the pip stage"
+    fi
+fi
+if [ "$STAGE" = pip ]; then
     step test-gpu-without-kernels 200 env PYTHONPATH="$without" python3 -m pytest -q -rf tests/test_gpu.py
     # what `pip install samba-hf` gives: samba-hf's Triton scans, no kernel package (NemotronH on its torch path)
     step bench-pip-install 330 env PYTHONPATH="$without" python3 benchmarks/gpu.py --kernels triton --time-limit 300 \
         --out "$OUT/gpu-pip-install.json"
 fi
-if [ "$STAGE" = all ] || [ "$STAGE" = kernels ]; then
+if [ "$STAGE" = kernels ]; then
     step build-mamba-ssm 400 bash -c "build $BUNDLE/mamba_ssm-*.tar.gz" &
     step build-causal-conv1d 400 bash -c "build $BUNDLE/causal_conv1d-*.tar.gz" &
     wait
     with_kernels="$PWD/src:$(printf '%s:' "$kernels"/*)$site"
     step test-gpu-with-kernels 170 env PYTHONPATH="$with_kernels" python3 -m pytest -q -rf tests/test_gpu.py
 fi
-if [ "$STAGE" = all ] || [ "$STAGE" = bench ]; then
+if [ "$STAGE" = bench ]; then
     step bench-with-kernels 330 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --time-limit 300 \
         --out "$OUT/gpu-kernels.json"
 fi
