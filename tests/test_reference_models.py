@@ -217,6 +217,56 @@ def test_flex_sliding_attention_equals_the_blockwise_path(window, past, q_len):
         assert (out[real] - ref[real]).abs().max() <= 1e-5
 
 
+def test_flex_runs_every_length_of_a_bucket_at_one_padded_shape():
+    """flex_attention runs at the next power of two of each length (one compiled kernel per bucket on a GPU, where
+    torch 2.11 found no kernel for dynamic shapes): the padded queries and keys are masked out whole, and the
+    result is the block-wise path's."""
+    from types import SimpleNamespace
+
+    from samba_hf import modeling_samba as modeling
+
+    assert [modeling.flex_length(n) for n in (1, 128, 129, 300, 4096, 4097)] == [128, 128, 256, 512, 4096, 8192]
+    seen = []
+    module = SimpleNamespace(num_key_value_groups=1)
+    g = torch.Generator().manual_seed(0)
+    for past, q_len in ((0, 257), (63, 200), (0, 511)):  # three lengths, one bucket of keys (512)
+        q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (q_len, past + q_len, past + q_len))
+        mask = modeling.sliding_window_block_mask(None, 1, q_len, past + q_len, 64, q.device)
+        seen.append(mask.block_mask.shape[-2:])
+        out = modeling.sliding_window_attention_flex(module, q, k, v, mask, 8**-0.5)
+        ref = modeling.sliding_window_attention_blockwise(module, q, k, v, None, 64, 8**-0.5)
+        assert (out - ref).abs().max() <= 1e-5
+    assert seen == [(512, 512), (256, 512), (512, 512)]
+
+
+def test_flex_attention_failing_in_a_forward_goes_block_wise_and_says_so(monkeypatch, caplog):
+    """A compiler failure at a new shape (torch 2.11 on an H100 failed so for a cached continuation) does not end
+    the forward: that call and the later ones of its kind go block-wise, with the same result, said once."""
+    import samba_hf.modeling_samba as modeling
+
+    model = tiny_model(seed=3)
+    ids = torch.randint(3, 97, (2, 40))
+    with torch.no_grad():
+        expected = model(ids).logits
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("NoValidChoicesError: No choices to select")
+
+    monkeypatch.setattr(modeling, "_FLEX_ATTENTION_WORKS", {})
+    monkeypatch.setattr(modeling, "flex_attention_kernel", lambda *args: failing)
+    monkeypatch.setattr(modeling.SambaModel, "_flex_sliding", lambda self, inputs_embeds: True)
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        got = model(ids).logits
+        again = model(ids).logits
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    said = [r.getMessage() for r in caplog.records if "flex_attention failed" in r.getMessage()]
+    assert len(said) == 1 and "No choices to select" in said[0] and "block-wise" in said[0]
+    config = model.config
+    key = modeling.flex_attention_key(torch.device("cpu"), torch.float32, config.head_dim,
+                                      config.num_attention_heads // config.num_key_value_heads)
+    assert modeling._FLEX_ATTENTION_WORKS == {key: False}
+
+
 def test_a_model_through_flex_sliding_attention_equals_the_blockwise_path(monkeypatch):
     """Where flex_attention is chosen (a GPU), a long prompt, a padded batch and a cached continuation give what the
     block-wise path gives, and flex_attention ran for every sliding layer. (Its backward runs on a GPU only:

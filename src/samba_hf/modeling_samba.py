@@ -18,6 +18,7 @@ This file is also the remote code of a saved model: it imports only torch, trans
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -312,30 +313,81 @@ def sliding_window_attention_blockwise(
     return output.transpose(1, 2).contiguous()
 
 
+# flex_attention's block of queries and of keys; a long input's lengths are padded up to `flex_length`.
+FLEX_BLOCK_SIZE = 128
+
+
+def flex_length(length: int) -> int:
+    """The length flex_attention runs a long input at: the next power of two (one block at least). Compiled for
+    fixed shapes (with shapes left dynamic, torch 2.11's Triton template found no kernel for a cached continuation on
+    an H100), so every prompt between two powers of two shares one compiled kernel; the padded blocks are masked out
+    whole and skipped."""
+    return max(FLEX_BLOCK_SIZE, 1 << (length - 1).bit_length())
+
+
+@dataclass
+class SlidingWindowFlexMask:
+    """A long input's mask for the sliding layers on the flex_attention path: the band as a `BlockMask` over the
+    padded lengths (`flex_length`), and what the block-wise path takes instead if flex_attention fails here."""
+
+    block_mask: BlockMask
+    padding: torch.Tensor | None  # (batch, kv_len) bool: the keys that are not padding; None when all are
+    window: int
+
+
 def sliding_window_block_mask(
     padding_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, window: int, device: torch.device
-):
-    """The sliding-window band of `sliding_window_attention_blockwise` as a flex_attention `BlockMask`: query i
-    (at position kv_len - q_len + i) sees key j iff 0 <= (kv_len - q_len + i) - j < window and key j is not padding.
-    padding_mask (batch, kv_len) bool or None. Built once per forward for all sliding layers (on a GPU by compiled
-    code, as transformers' flex masks are)."""
+) -> SlidingWindowFlexMask:
+    """The sliding-window band of `sliding_window_attention_blockwise` for flex_attention: query i (at position
+    kv_len - q_len + i) sees key j iff 0 <= (kv_len - q_len + i) - j < window and key j is not padding; the padded
+    queries and keys up to `flex_length` see nothing. padding_mask (batch, kv_len) bool or None. Built once per
+    forward for all sliding layers (on a GPU by compiled code, as transformers' flex masks are); the lengths are
+    tensors, so that one compiled mask builder serves every length of a bucket."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    past = kv_len - q_len
+    q_padded, kv_padded = flex_length(q_len), flex_length(kv_len)
+    past, queries, keys = (torch.tensor(n, device=device) for n in (kv_len - q_len, q_len, kv_len))
+    padded_keys = None if padding_mask is None else nn.functional.pad(padding_mask, (0, kv_padded - kv_len))
 
     def band(b, h, q_idx, kv_idx):
         distance = q_idx + past - kv_idx
-        return (distance >= 0) & (distance < window)
+        return (distance >= 0) & (distance < window) & (q_idx < queries) & (kv_idx < keys)
 
     def band_and_padding(b, h, q_idx, kv_idx):
-        return band(b, h, q_idx, kv_idx) & padding_mask[b, kv_idx]
+        return band(b, h, q_idx, kv_idx) & padded_keys[b, kv_idx]
 
     mask_mod = band if padding_mask is None else band_and_padding
-    return create_block_mask(mask_mod, None if padding_mask is None else batch, None, q_len, kv_len, device=device,
-                             _compile=device.type == "cuda")
+    block_mask = create_block_mask(mask_mod, None if padding_mask is None else batch, None, q_padded, kv_padded,
+                                   device=device, BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=device.type == "cuda")
+    return SlidingWindowFlexMask(block_mask, padding_mask, window)
 
 
 _COMPILED_FLEX_ATTENTION = None
+_FLEX_SHAPES: set = set()  # the shapes flex_attention was compiled for in this process
+
+
+def flex_attention_kernel(query: torch.Tensor, key: torch.Tensor, q_padded: int, kv_padded: int) -> Callable | None:
+    """flex_attention as this call runs it: on a GPU compiled for fixed shapes, or None where a new shape would pass
+    torch.compile's recompile limit (past it torch runs flex_attention uncompiled, materialising every score: the
+    block-wise path is far better); uncompiled on a CPU and inside a compiled model."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _COMPILED_FLEX_ATTENTION
+    if not query.is_cuda or torch.compiler.is_compiling():
+        return flex_attention
+    shape = (query.device, query.dtype, query.shape[:2], key.shape[:2], query.shape[3], q_padded, kv_padded,
+             torch.is_grad_enabled() and query.requires_grad)
+    limit = getattr(torch._dynamo.config, "recompile_limit", 8)
+    if shape not in _FLEX_SHAPES and len(_FLEX_SHAPES) >= limit:
+        logger.warning_once(
+            f"samba-hf: flex_attention has been compiled for {limit} shapes (torch.compile's recompile limit); "
+            "sliding-window inputs of other lengths or batch sizes go through the block-wise sdpa path."
+        )
+        return None
+    _FLEX_SHAPES.add(shape)
+    if _COMPILED_FLEX_ATTENTION is None:
+        _COMPILED_FLEX_ATTENTION = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX_ATTENTION
 
 
 def sliding_window_attention_flex(
@@ -343,24 +395,38 @@ def sliding_window_attention_flex(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    block_mask,
+    mask: SlidingWindowFlexMask,
     scaling: float,
 ) -> torch.Tensor:
-    """The same attention as `sliding_window_attention_blockwise`, through torch's flex_attention with the block mask
-    of `sliding_window_block_mask`: on a GPU one compiled kernel that skips the blocks outside the band (on an H200
-    3x the block-wise path's keys per second at 4K, 5x at 32K; docs/speed.md). Shapes as there; a padded query that
-    sees no key gets zeros. Compiled once (torch.compile's dynamic shapes take the later lengths), eager on a CPU."""
-    from torch.nn.attention.flex_attention import flex_attention
+    """The same attention as `sliding_window_attention_blockwise`, through torch's flex_attention with the band of
+    `sliding_window_block_mask`: on a GPU one compiled kernel that skips the blocks outside the band (on an H100
+    4.5x the block-wise path's keys per second at 32K; docs/speed.md). Shapes as there; a padded query that sees no
+    key gets zeros. The inputs are padded to the mask's lengths (`flex_length`). Where flex_attention fails, this
+    call and every later one of its kind (`flex_attention_works`) go block-wise, said once."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    q_padded, kv_padded = mask.block_mask.shape[-2:]
+    attend = flex_attention_kernel(query, key, q_padded, kv_padded)
+    if attend is None:
+        return sliding_window_attention_blockwise(module, query, key, value, mask.padding, mask.window, scaling)
+    padded = [nn.functional.pad(t, (0, 0, 0, n - t.shape[2])) for t, n in
+              ((query, q_padded), (key, kv_padded), (value, kv_padded))]
+    try:
+        output = attend(*padded, block_mask=mask.block_mask, scale=scaling, enable_gqa=module.num_key_value_groups > 1)
+    except Exception as error:  # noqa: BLE001 - the compiler failing on a new shape must not end the forward
+        _FLEX_ATTENTION_WORKS[flex_attention_key(query.device, query.dtype, query.shape[3],
+                                                 module.num_key_value_groups)] = False
+        logger.warning_once(
+            f"samba-hf: flex_attention failed on {query.device} in {query.dtype} for {q_len} queries over {kv_len} keys "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); long sliding-window "
+            "inputs go through the block-wise sdpa path from here on."
+        )
+        return sliding_window_attention_blockwise(module, query, key, value, mask.padding, mask.window, scaling)
+    return output[:, :, :q_len].transpose(1, 2).contiguous()
 
-    global _COMPILED_FLEX_ATTENTION
-    attend = flex_attention
-    if query.is_cuda and not torch.compiler.is_compiling():
-        if _COMPILED_FLEX_ATTENTION is None:
-            _COMPILED_FLEX_ATTENTION = torch.compile(flex_attention)
-        attend = _COMPILED_FLEX_ATTENTION
-    output = attend(query, key, value, block_mask=block_mask, scale=scaling,
-                    enable_gqa=module.num_key_value_groups > 1)
-    return output.transpose(1, 2).contiguous()
+
+def flex_attention_key(device: torch.device, dtype: torch.dtype, head_dim: int, groups: int) -> tuple:
+    """What `flex_attention_works` decides for: the device, the dtype and the heads' shape."""
+    return str(device), dtype, head_dim, groups
 
 
 _FLEX_ATTENTION_WORKS: dict = {}
@@ -374,7 +440,7 @@ def flex_attention_works(device: torch.device, dtype: torch.dtype, config) -> bo
     from types import SimpleNamespace
 
     groups = config.num_attention_heads // config.num_key_value_heads
-    key = (str(device), dtype, config.head_dim, groups)
+    key = flex_attention_key(device, dtype, config.head_dim, groups)
     if key not in _FLEX_ATTENTION_WORKS:
         module = SimpleNamespace(num_key_value_groups=groups)
         g = torch.Generator(device=device).manual_seed(0)
@@ -400,9 +466,10 @@ def flex_attention_works(device: torch.device, dtype: torch.dtype, config) -> bo
                     out = out[padding[:, past:]]  # the padded queries' outputs are anything finite
                     grads = torch.autograd.grad(out.float().sum(), leaves) if q.is_cuda else ()
                     outputs.append([out.float(), *(t.float() for t in grads)])
-            difference = max((a - b).abs().max().item() for a, b in zip(*outputs))
+            # relative to each tensor's size: bf16 rounds a gradient of 20 to steps of 0.125
+            difference = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(*outputs))
             if not difference <= tolerance:
-                problem = f"its values or gradients differ from the block-wise path's by {difference:.3g}"
+                problem = f"its values or gradients differ from the block-wise path's by {difference:.3g} of their size"
         except Exception as error:  # noqa: BLE001 - any failure of the compiler or the kernel means: not here
             problem = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if problem is not None:
@@ -469,7 +536,7 @@ class SambaAttention(nn.Module):
         else:
             dtype = None
 
-        if self.sliding_window is not None and isinstance(attention_mask, BlockMask):  # see SambaModel._mask_mapping
+        if self.sliding_window is not None and isinstance(attention_mask, SlidingWindowFlexMask):  # see _mask_mapping
             attn_output = sliding_window_attention_flex(
                 self, query_states, key_states, value_states, attention_mask, self.scaling
             )
