@@ -165,9 +165,10 @@ def prefill(model, length: int, repeat: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, length), device=model.device)
     best, peak = float("inf"), 0.0
     with torch.no_grad():
-        # warm-up: the kernels' first launch, and (past the window) flex_attention's compile and its recompile with
-        # dynamic shapes, which would otherwise land in the one timed run of the longest prompts
-        model(ids[:, : min(length, 4096)], use_cache=False, logits_to_keep=1)
+        # warm-up at this very length: the kernels' first launch at these shapes, and (past the window) flex_attention's
+        # compile for this length's bucket. (The H100 run of 2026-11-26 warmed up at 4K only, and its one timed run at
+        # 128K held the compile: 11.2 s where 32K took 0.33 s.)
+        model(ids, use_cache=False, logits_to_keep=1)
         for _ in range(repeat):
             with Timer() as t:
                 model(ids, use_cache=False, logits_to_keep=1)
@@ -232,7 +233,9 @@ def train_step(model, length: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, length), device=model.device)
     model.train()
     try:
-        model(ids[:, :256], labels=ids[:, :256]).loss.backward()  # warm-up
+        model(ids, labels=ids).loss.backward()  # warm-up at this length (compiles; the H100 run of 2026-11-26 warmed
+        # up at 256 tokens, and Samba's timed 4K step held the first run at 4K, flex_attention's compile among it:
+        # 9.6 s, Llama's 0.22 s)
         model.zero_grad(set_to_none=True)
         with Timer() as t:
             model(ids, labels=ids).loss.backward()
