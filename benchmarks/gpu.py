@@ -245,6 +245,15 @@ def train_step(model, length: int) -> dict:
     return {"tokens_per_s": length / t.seconds, "seconds": t.seconds, "peak_gib": t.peak_gib}
 
 
+INSTALLED = None  # every kernel this environment has, before --kernels leaves some out of the models' runs
+
+
+def installed_kernels():
+    """What the micro-benchmarks compare: every kernel installed, whatever --kernels gave the models (the H100 run
+    of 2026-11-26 compared samba-hf's Triton scan with nothing, mamba-ssm being hidden by --kernels triton)."""
+    return INSTALLED or ssm_samba.load_kernels()
+
+
 def kernels_present() -> dict:
     """What this environment has: each samba-hf kernel, and whether flash-attn imports."""
     import importlib
@@ -324,13 +333,20 @@ def decode_phase(args, name, model, row):
 def decode_profile(model, context: int, steps: int = 3) -> dict:
     """Where an eager decoding step's time goes (batch 1, after warm-up steps): torch.profiler's top operators by
     self CPU time and by self device time, and the host-device synchronisations per step (each one stops the host
-    from running ahead of the GPU). On the H200 samba-hf's Mamba-2-Hybrid stepped 10x slower than NemotronH's torch
-    path on the same layout, and not on a CPU: this is what the next run looks at."""
+    from running ahead of the GPU); the profiled steps' wall time; 8 steps timed one by one (steady, or spikes);
+    the same steps with sdpa kept off cuDNN; and Python's own profile (cProfile) of the steps, by time inside each
+    function. On the H100 (2026-11-26) eager steps took 47-74 ms where the operators' host and device time came to a
+    few ms (Samba at 1K, Llama, samba-hf's Mamba-2-Hybrid; NemotronH 8 ms, Samba at 64K 16 ms): these say where the
+    rest goes."""
+    import cProfile
+    import pstats
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
     run = eager_decoder(model, context, 1)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
-    with torch.no_grad(), profile(activities=activities) as trace:
+    with torch.no_grad(), profile(activities=activities) as trace, Timer() as profiled:
         run(steps)
     events = trace.key_averages()
     device_time = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
@@ -342,9 +358,31 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
     def per_step(*names):
         return sum(e.count for e in events if any(name in e.key for name in names)) / steps
 
+    one_by_one = []
+    for _ in range(8):
+        with torch.no_grad(), Timer() as t:
+            run(1)
+        one_by_one.append(round(1000 * t.seconds, 3))
+    with torch.no_grad(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        run(2)  # first calls on these backends
+        with Timer() as t:
+            run(steps)
+    without_cudnn = 1000 * t.seconds / steps
+    python = cProfile.Profile()
+    with torch.no_grad():
+        python.enable()
+        run(steps)
+        python.disable()
+    stats = pstats.Stats(python).stats  # {(file, line, function): (calls, primitive, tottime, cumtime, callers)}
+    by_self = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:15]
     return {"ms_per_step_cpu_by_op": top("self_cpu_time_total"), "ms_per_step_device_by_op": top(device_time),
             "values_read_on_host_per_step": per_step("aten::_local_scalar_dense", "aten::tolist"),
-            "synchronize_calls_per_step": per_step("Synchronize"), "ops_per_step": per_step("")}
+            "synchronize_calls_per_step": per_step("Synchronize"), "ops_per_step": per_step(""),
+            "profiled_ms_per_step": 1000 * profiled.seconds / steps, "ms_of_8_steps_one_by_one": one_by_one,
+            "ms_per_step_sdpa_without_cudnn": without_cudnn,
+            "python_ms_per_step_by_function": [
+                [f"{os.path.basename(file)}:{line} {function}", round(1000 * value[2] / steps, 3),
+                 round(value[0] / steps, 1)] for (file, line, function), value in by_self]}
 
 
 def train_phase(args, name, model, row):
@@ -428,7 +466,7 @@ def mamba_conv(args, device, dtype) -> dict:
     config = configs(args.smoke)["Samba-1.3B"]
     channels, taps = config.mamba_d_inner, config.mamba_d_conv
     conv = torch.nn.Conv1d(channels, channels, taps, groups=channels, padding=taps - 1, device=device, dtype=dtype)
-    found = ssm_samba.load_kernels()
+    found = installed_kernels()
 
     @torch.no_grad()
     def measure(length):
@@ -445,15 +483,16 @@ def mamba_conv(args, device, dtype) -> dict:
 
 def mamba_scan(args, device, dtype) -> dict:
     """One Mamba layer's scan at each length up to 32K, through `ssm_samba.selective_scan` / `ssd_scan` as the models
-    call them, once with each scan this run has: samba-hf's Triton scan, mamba-ssm's kernel (the CUDA scan;
-    `mamba_chunk_scan_combined` for Mamba-2), and the PyTorch scan (Mamba-1's a Python step per token: up to 4K only;
-    with --smoke, on a CPU, its CPU scan); seconds for the forward (no autograd), and for forward and backward at 4K.
+    call them, once with each scan installed (whatever --kernels leaves the models): samba-hf's Triton scan,
+    mamba-ssm's kernel (the CUDA scan; `mamba_chunk_scan_combined` for Mamba-2), and the PyTorch scan (Mamba-1's a
+    Python step per token: up to 4K only; with --smoke, on a CPU, its CPU scan); seconds for the forward (no
+    autograd), and for forward and backward at 4K.
     Samba-1.3B's layer ("samba": d_inner channels, d_state states, the gate) and the Mamba-2-Hybrid's ("mamba2":
     heads x head_dim, groups, d_state). Where the scans go in a prefill, and how samba-hf's Triton scan stands against
     mamba-ssm's (#32 asks for within 1.2x)."""
     chosen = configs(args.smoke)
     samba, hybrid = chosen["Samba-1.3B"], chosen["Mamba-2-Hybrid"]
-    found = ssm_samba.load_kernels()
+    found, in_this_run = installed_kernels(), ssm_samba.load_kernels()
     none = dict.fromkeys(ssm_samba.Kernels._fields[:-1])
     only = {"triton": found._replace(selective_scan_fn=None, selective_state_update=None, mamba_chunk_scan_combined=None),
             "mamba_ssm": found._replace(selective_scan_triton=None, ssd_scan_triton=None, selective_state_update=None),
@@ -499,7 +538,7 @@ def mamba_scan(args, device, dtype) -> dict:
                         row[f"{kind}_{name}_train_seconds"] = timed(
                             lambda: scan(kind, leaves, A, D).float().sum().backward())
                 finally:
-                    ssm_samba._KERNELS = found
+                    ssm_samba._KERNELS = in_this_run
         return row
 
     return at_each_length(args, "scan", measure)
@@ -704,9 +743,11 @@ def main(argv=None):
         return 1
     else:
         device = torch.device("cuda")
+    global INSTALLED
+    INSTALLED = ssm_samba.load_kernels()
     if args.kernels != "all":
         keep = ("selective_scan_triton", "ssd_scan_triton") if args.kernels == "triton" else ()
-        found = ssm_samba.load_kernels()
+        found = INSTALLED
         ssm_samba._KERNELS = found._replace(**{name: None for name in ssm_samba.Kernels._fields[:-1]
                                                if name not in keep})
     if args.label is None:
