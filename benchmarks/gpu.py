@@ -281,6 +281,7 @@ def measure(args, device) -> dict:
     result["sliding_attention"] = sliding_attention(args, device, dtype)
     result["mamba_conv"] = mamba_conv(args, device, dtype)
     result["mamba_scan"] = mamba_scan(args, device, dtype)
+    result["scan_configs"] = scan_configs(args, device, dtype)
     chosen = {name: config for name, config in configs(args.smoke).items() if name in args.models.split(",")}
     for name in chosen:
         result["models"][name] = {"prefill": {}, "decode": {}, "train": {}}
@@ -542,6 +543,73 @@ def mamba_scan(args, device, dtype) -> dict:
         return row
 
     return at_each_length(args, "scan", measure)
+
+
+# The alternatives to samba-hf's Triton scan launch that `scan_configs` times: (name, {triton_scan_samba constant:
+# value}); the first is the default.
+SCAN_CONFIGS = [
+    ("default", {}),
+    ("16 channels a program", {"BLOCK_D_MAX": 16}),
+    ("8 channels a program", {"BLOCK_D_MAX": 8}),
+    ("1 warp", {"NUM_WARPS": 1}),
+    ("2 warps", {"NUM_WARPS": 2}),
+    ("8 warps", {"NUM_WARPS": 8}),
+    ("segments of 128, 16 programs an SM", {"MIN_SEGMENT": 128, "PROGRAMS_PER_SM": 16}),
+    ("segments of 64, 32 programs an SM", {"MIN_SEGMENT": 64, "PROGRAMS_PER_SM": 32}),
+    ("segments of 512, 4 programs an SM", {"MIN_SEGMENT": 512, "PROGRAMS_PER_SM": 4}),
+]
+
+
+def scan_configs(args, device, dtype) -> dict:
+    """samba-hf's Triton scan (forward, inference) under each launch of `SCAN_CONFIGS`, on Samba-1.3B's layer and the
+    Mamba-2-Hybrid's, at the micro-benchmarks' lengths: seconds, and the largest difference from the default's
+    output (the choice must not change the numbers beyond rounding). What the defaults of triton_scan_samba.py
+    should be; the H100 run found the forward at 4K 1.28 ms a layer, 25x what reading and writing its tensors takes."""
+    found = installed_kernels()
+    if found.selective_scan_triton is None:
+        return {"skipped": "samba-hf's Triton scan is not available here"}
+    from samba_hf import triton_scan_samba
+
+    chosen = configs(args.smoke)
+    samba, hybrid = chosen["Samba-1.3B"], chosen["Mamba-2-Hybrid"]
+
+    def measure(length):
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def randn(*shape):
+            return torch.randn(*shape, device=device, generator=g)
+
+        d, n = samba.mamba_d_inner, samba.mamba_d_state
+        heads, p, groups, m = hybrid.mamba2_num_heads, hybrid.mamba2_head_dim, hybrid.mamba2_n_groups, hybrid.mamba_d_state
+        u, z = randn(1, length, d).to(dtype), randn(1, length, d).to(dtype)
+        dt = torch.nn.functional.softplus(randn(1, length, d) - 4).to(dtype)
+        B, C = randn(1, length, n).to(dtype), randn(1, length, n).to(dtype)
+        A, D = -torch.rand(d, n, device=device, generator=g) * 16, torch.ones(d, device=device)
+        x = randn(1, length, heads, p).to(dtype)
+        dt2 = torch.nn.functional.softplus(randn(1, length, heads) - 4)
+        B2, C2 = randn(1, length, groups, m).to(dtype), randn(1, length, groups, m).to(dtype)
+        A2, D2 = -torch.rand(heads, device=device, generator=g) * 16, torch.ones(heads, device=device)
+        calls = {"samba": lambda: found.selective_scan_triton(u, dt, A, B, C, D, z)[0],
+                 "mamba2": lambda: found.ssd_scan_triton(x, dt2, A2, B2, C2, D2)[0]}
+        row, reference = {}, {}
+        for name, values in SCAN_CONFIGS:
+            saved = {key: getattr(triton_scan_samba, key) for key in values}
+            try:
+                for key, value in values.items():
+                    setattr(triton_scan_samba, key, value)
+                for kind, call in calls.items():
+                    with torch.no_grad():
+                        seconds = timed(call)
+                        out = call().float()
+                    reference.setdefault(kind, out)
+                    row[f"{kind} {name}"] = {"seconds": seconds,
+                                             "difference": (out - reference[kind]).abs().max().item()}
+            finally:
+                for key, value in saved.items():
+                    setattr(triton_scan_samba, key, value)
+        return row
+
+    return at_each_length(args, "scan configs", measure)
 
 
 def at_each_length(args, what: str, measure) -> dict:

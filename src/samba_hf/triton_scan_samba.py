@@ -43,6 +43,11 @@ except ImportError:  # pragma: no cover - ssm_samba imports this file only where
     triton = tl = None
 
 CHUNK = 64  # tokens between the forward's checkpoints, and the backward's recompute length
+# The forward's launch: channels per program at most (the state block, BLOCK_D x BLOCK_N floats, stays at most 2048
+# in registers), and warps per program. Not yet tuned on a GPU: benchmarks/gpu.py's `scan_configs` times the
+# alternatives (and the segments' MIN_SEGMENT / PROGRAMS_PER_SM below) on the next run.
+BLOCK_D_MAX = 32
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -330,7 +335,7 @@ class _Layout:
         self.channels_per_group = d_inner // groups
         self.block_n = triton.next_power_of_2(d_state)
         # channels per program: the state block (block_d x block_n) stays at most 2048 floats in registers
-        self.block_d = max(1, min(32, 2048 // self.block_n, triton.next_power_of_2(d_inner)))
+        self.block_d = max(1, min(BLOCK_D_MAX, 2048 // self.block_n, triton.next_power_of_2(d_inner)))
         self.one_group = groups == 1 or self.channels_per_group % self.block_d == 0
         self.blocks = triton.cdiv(d_inner, self.block_d)
 
@@ -377,7 +382,7 @@ def _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
         seq_len, d_inner, d_state, layout.channels_per_group, segment_len,
         *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2), *_strides(y, 2),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_H0=h0 is not None, KEEP_CHECKPOINTS=keep_checkpoints,
-        SEGMENTED=segments > 1, **layout.constants(),
+        SEGMENTED=segments > 1, **layout.constants(), num_warps=NUM_WARPS,
     )
     if segments == 1:
         return y, ends[:, 0], checkpoints
