@@ -460,8 +460,8 @@ def flex_sliding_window(q, k, v, window: int, keys: int) -> dict:
 
 def mamba_conv(args, device, dtype) -> dict:
     """Samba-1.3B's Mamba conv (depthwise, 4 taps, over d_inner channels laid out as the mixer has them) at each
-    length up to 32K: the nn.Conv1d module (what runs without causal-conv1d), samba-hf's 4 shifted multiply-adds
-    (the CPU path), and causal-conv1d where installed; seconds."""
+    length up to 32K: the nn.Conv1d module (what ran without causal-conv1d until samba-hf's Triton conv), samba-hf's
+    4 shifted multiply-adds (the CPU path), samba-hf's Triton conv and causal-conv1d where installed; seconds."""
     from samba_hf.ssm_samba import depthwise_causal_conv
 
     config = configs(args.smoke)["Samba-1.3B"]
@@ -477,6 +477,8 @@ def mamba_conv(args, device, dtype) -> dict:
         if found.causal_conv1d_fn is not None:
             row["causal_conv1d_seconds"] = timed(
                 lambda: found.causal_conv1d_fn(x.contiguous(), conv.weight[:, 0], conv.bias, activation=None))
+        if found.causal_conv_triton is not None:
+            row["triton_conv_seconds"] = timed(lambda: found.causal_conv_triton(x, conv.weight[:, 0], conv.bias, length))
         return row
 
     return at_each_length(args, "conv", measure)
@@ -814,7 +816,7 @@ def main(argv=None):
     global INSTALLED
     INSTALLED = ssm_samba.load_kernels()
     if args.kernels != "all":
-        keep = ("selective_scan_triton", "ssd_scan_triton") if args.kernels == "triton" else ()
+        keep = ("selective_scan_triton", "ssd_scan_triton", "causal_conv_triton") if args.kernels == "triton" else ()
         found = INSTALLED
         ssm_samba._KERNELS = found._replace(**{name: None for name in ssm_samba.Kernels._fields[:-1]
                                                if name not in keep})

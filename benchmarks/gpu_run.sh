@@ -6,7 +6,9 @@
 #     bash benchmarks/gpu_run.sh pip        # what `pip install samba-hf` gives (~9 min): tests/test_gpu.py without
 #                                           # the kernel packages, then benchmarks/gpu.py on samba-hf's Triton scans
 #     bash benchmarks/gpu_run.sh kernels    # build mamba-ssm and causal-conv1d (~5 min), tests/test_gpu.py with them
-#     bash benchmarks/gpu_run.sh bench      # benchmarks/gpu.py with them (after `kernels` on the same machine)
+#     bash benchmarks/gpu_run.sh bench      # benchmarks/gpu.py at #32's lengths, on samba-hf's Triton kernels, then
+#                                           # with mamba-ssm and causal-conv1d (after `all` or `kernels` on the same
+#                                           # machine: call it while that machine is still warm)
 #
 # The default (all) is one device command: the two builds run niced while tests/test_gpu.py runs without the
 # packages; then tests/test_gpu.py with them; then benchmarks/gpu.py at the lengths #32 names (prefill 4K / 32K /
@@ -14,7 +16,7 @@
 # them beside mamba-ssm's kernels, and NemotronH takes mamba-ssm), cut off by its --time-limit so that everything
 # ends by $DEADLINE seconds (default 580). On an H100 (2026-11-26) the two test runs took 131 s and 158 s and left
 # the benchmark 57 s, too few: it ran as a second command on the same machine (220 s; the command is in
-# docs/speed.md). The three stages, each one device command, measure more.
+# docs/speed-history.md). So with 15 minutes of device time: `all`, then at once `bench` on the still-warm machine.
 #   1. transformers 5.24 (from the bundle) first on the path; samba-hf from src/;
 #   2. mamba-ssm and causal-conv1d built from their sdists for this GPU's architecture only, both at once (kept in
 #      $WORK, default ~/.samba-hf-gpu, so that `bench` after `kernels` on the same machine reuses them);
@@ -107,7 +109,10 @@ if [ "$STAGE" = kernels ]; then
     step test-gpu-with-kernels 170 env PYTHONPATH="$with_kernels" python3 -m pytest -q -rf tests/test_gpu.py
 fi
 if [ "$STAGE" = bench ]; then
-    step bench-with-kernels 330 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --time-limit 300 \
+    lengths="--prefill 4096,32768,131072 --decode 1024,65536 --steps 16"
+    step bench-pip-install 285 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --kernels triton $lengths \
+        --time-limit 225 --out "$OUT/gpu-pip-install.json"
+    step bench-with-kernels 285 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py $lengths --time-limit 225 \
         --out "$OUT/gpu-kernels.json"
 fi
 log "done ($STAGE); results in $OUT"

@@ -73,6 +73,25 @@ def test_selective_scan_kernel_matches_pytorch(dtype):
     assert (h1_k - h1_p).abs().max() <= tol * max(1, h1_p.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_samba_hfs_triton_conv_matches_the_module_with_gradients(triton_scans_only, dtype):
+    """samba-hf's Triton conv (what runs without causal-conv1d) against nn.Conv1d on the GPU: a prompt, a continuation
+    from a cached window and the one-token step, in the mixers' layout; the gradients of the window and the conv."""
+    conv = torch.nn.Conv1d(200, 200, kernel_size=4, groups=200, padding=3).cuda().to(dtype)
+    x = torch.randn(2, 300, 200, device="cuda", dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for seq_len in (300, 37, 1):
+        window = x.transpose(1, 2).detach().requires_grad_()
+        out = ssm_samba.causal_conv(conv, window, seq_len)
+        grads = torch.autograd.grad(out.float().square().sum(), [window, conv.weight, conv.bias])
+        ref_window = x.transpose(1, 2).detach().requires_grad_()
+        ref = conv(ref_window)[..., :300][..., -seq_len:]
+        ref_grads = torch.autograd.grad(ref.float().square().sum(), [ref_window, conv.weight, conv.bias])
+        assert out.shape == ref.shape and out.transpose(1, 2).is_contiguous()
+        for got, want in zip((out, *grads), (ref, *ref_grads)):
+            assert (got.float() - want.float()).abs().max() <= tol * max(1.0, want.float().abs().max().item())
+
+
 def _greedy(model, ids, steps):
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
                           pad_token_id=0, eos_token_id=None)
@@ -187,10 +206,12 @@ def test_a_cached_continuation_never_steps_per_token_in_python(monkeypatch):
 
 @pytest.fixture
 def triton_scans_only(monkeypatch):
-    """What `pip install samba-hf` gives: samba-hf's Triton scans, none of mamba-ssm's or causal-conv1d's kernels."""
-    if KERNELS.selective_scan_triton is None:
-        pytest.skip(f"samba-hf's Triton scan does not load here: {KERNELS.missing.get('selective_scan_triton')}")
-    own = ("selective_scan_triton", "ssd_scan_triton")
+    """What `pip install samba-hf` gives: samba-hf's Triton scans and conv, none of mamba-ssm's or causal-conv1d's
+    kernels."""
+    for name in ("selective_scan_triton", "causal_conv_triton"):
+        if getattr(KERNELS, name) is None:
+            pytest.skip(f"samba-hf's {name} does not load here: {KERNELS.missing.get(name)}")
+    own = ("selective_scan_triton", "ssd_scan_triton", "causal_conv_triton")
     monkeypatch.setattr(ssm_samba, "_KERNELS", KERNELS._replace(
         **{name: None for name in ssm_samba.Kernels._fields[:-1] if name not in own}))
     for name in ("selective_scan_pytorch", "ssd_scan_pytorch"):
@@ -321,17 +342,18 @@ def test_a_model_on_samba_hfs_triton_scans_matches_the_cpu(triton_scans_only, ki
     assert_a_training_step_matches(gpu, cpu, ids)
 
 
-def test_flex_attention_past_the_recompile_limit_goes_block_wise(monkeypatch, caplog):
-    """Once flex_attention has been compiled for as many shapes as torch.compile's recompile limit (past which torch
-    runs it uncompiled, materialising every score), inputs of new shapes go block-wise, said once, with the same
-    result."""
+@pytest.mark.parametrize("compiled", ["_FLEX_SHAPES", "_FLEX_MASK_SHAPES"])
+def test_flex_attention_past_the_recompile_limit_goes_block_wise(monkeypatch, caplog, compiled):
+    """Once flex_attention, or its block mask builder, has been compiled for as many shapes as torch.compile's
+    recompile limit (past which torch runs it uncompiled, materialising every score or the whole mask), inputs of
+    new shapes go block-wise, said once, with the same result."""
     import samba_hf.modeling_samba as modeling
 
     shape = dict(head_dim=16, hidden_size=64, sliding_window=64)
     cpu, gpu = tiny_model(seed=4, **shape), tiny_model(seed=4, **shape).cuda()
     ids = torch.randint(3, 97, (1, 300))
     limit = getattr(torch._dynamo.config, "recompile_limit", 8)
-    monkeypatch.setattr(modeling, "_FLEX_SHAPES", {("another shape", n) for n in range(limit)})
+    monkeypatch.setattr(modeling, compiled, {("another shape", n) for n in range(limit)})
     with torch.no_grad(), caplog.at_level("WARNING"):
         ref = cpu(ids).logits
         out = gpu(ids.cuda()).logits.cpu()

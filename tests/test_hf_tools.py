@@ -22,7 +22,7 @@ from conftest import tiny_model
 DEFAULT = Path(default_model_path())
 PACKAGE = Path(samba_hf.__file__).parent
 REMOTE_FILES = ("configuration_samba.py", "modeling_samba.py", "ssm_samba.py", "linear_samba.py",
-                "triton_scan_samba.py")
+                "triton_scan_samba.py", "triton_conv_samba.py")
 
 
 def card_metadata(folder) -> dict:

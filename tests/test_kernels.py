@@ -69,12 +69,12 @@ def kernels(monkeypatch):
     return only(monkeypatch, PACKAGES)
 
 
-TRITON_ONLY = ("selective_scan_triton", "ssd_scan_triton")  # samba-hf's own
+TRITON_ONLY = ("selective_scan_triton", "ssd_scan_triton", "causal_conv_triton")  # samba-hf's own
 
 
 @pytest.fixture
 def triton_only(monkeypatch):
-    """What `pip install samba-hf` gives on a GPU: samba-hf's Triton scans, no kernel package."""
+    """What `pip install samba-hf` gives on a GPU: samba-hf's Triton scans and conv, no kernel package."""
     return only(monkeypatch, TRITON_ONLY)
 
 
@@ -274,18 +274,19 @@ def test_packed_documents_train_through_samba_hfs_triton_scan(triton_only, monke
 
 
 def test_a_saved_folder_runs_the_triton_scan_from_its_own_code(triton_only, tmp_path):
-    """save_pretrained copies triton_scan_samba.py beside the other remote-code files; loaded with trust_remote_code
-    where samba_hf cannot be imported, the folder's own Triton scan gives the same logits."""
+    """save_pretrained copies triton_scan_samba.py and triton_conv_samba.py beside the other remote-code files; loaded
+    with trust_remote_code where samba_hf cannot be imported, the folder's own Triton scan and conv give the same
+    logits."""
     from test_save_load import assert_loads_without_the_package
 
     model = tiny_model(seed=8)
     model.save_pretrained(tmp_path)
-    assert (tmp_path / "triton_scan_samba.py").read_bytes() == Path(ssm_samba.__file__).with_name(
-        "triton_scan_samba.py").read_bytes()
+    for name in ("triton_scan_samba.py", "triton_conv_samba.py"):
+        assert (tmp_path / name).read_bytes() == Path(ssm_samba.__file__).with_name(name).read_bytes()
     ids = torch.randint(3, 97, (1, 20))
     with torch.no_grad():
         torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
-    assert triton_only["selective_scan_triton"] == 2  # the tiny model's two Mamba layers
+    assert triton_only["selective_scan_triton"] == 2 and triton_only["causal_conv_triton"] == 2  # two Mamba layers
     assert_loads_without_the_package(tmp_path)
 
 
@@ -372,6 +373,51 @@ def test_the_causal_conv_runs_causal_conv1d(kernels):
     assert kernels["causal_conv1d_fn"] == 2 and kernels["causal_conv1d_update"] == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_samba_hfs_triton_conv_equals_a_float64_conv_with_gradients(triton_only, dtype, has_bias):
+    """samba-hf's Triton conv against a float64 depthwise conv: a prompt, a continuation after a cached window (the
+    window's head is cached context) and the one-token step, on the mixers' transposed (batch, seq, d_inner) layout
+    and on a contiguous window; the gradients of the window, the weight and the bias. 70 channels and 45 positions:
+    more than one block of each (64 and 32), neither a multiple."""
+    from samba_hf.triton_conv_samba import causal_conv_triton
+
+    g = torch.Generator().manual_seed(3)
+    d, length, taps = 70, 45, 4
+    weight = torch.randn(d, taps, generator=g)
+    bias = torch.randn(d, generator=g) if has_bias else None
+    for layout in ("transposed", "contiguous"):
+        x = torch.randn(2, length, d, generator=g)
+        window = x.transpose(1, 2) if layout == "transposed" else x.transpose(1, 2).contiguous()
+        for seq_len in (length, 13, 1):
+            leaves = [t.to(dtype, copy=True).requires_grad_() for t in (window, weight) + ((bias,) if has_bias else ())]
+            out = causal_conv_triton(leaves[0], leaves[1], leaves[2] if has_bias else None, seq_len)
+            grad = torch.randn(out.shape, generator=g)
+            out.float().backward(grad)
+            exact = [t.detach().double().requires_grad_() for t in leaves]
+            full = torch.nn.functional.conv1d(exact[0], exact[1][:, None], exact[2] if has_bias else None,
+                                              padding=taps - 1, groups=d)[..., :length]
+            want = full[..., length - seq_len:]
+            want.backward(grad.double())
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert out.shape == (2, d, seq_len) and out.dtype == dtype
+            assert_close(out, want, tol)
+            for got, expected in zip(leaves, exact):
+                assert_close(got.grad, expected.grad, tol)
+
+
+def test_the_causal_conv_runs_samba_hfs_triton_conv_without_causal_conv1d(triton_only):
+    conv = torch.nn.Conv1d(24, 24, kernel_size=4, groups=24, padding=3)
+    window = torch.randn(2, 13, 24).transpose(1, 2)  # as the mixers make it
+    with torch.no_grad():
+        reference = conv(window)[..., :13]
+        for seq_len in (13, 5, 1):  # prompt, continuation after a cached window, one-token step
+            out = ssm_samba.causal_conv(conv, window, seq_len)
+            assert (out - reference[..., -seq_len:]).abs().max() <= 1e-5
+            assert out.transpose(1, 2).is_contiguous()  # the mixer's transpose back is free
+    assert triton_only["causal_conv_triton"] == 3
+
+
 def test_every_kernel_variant_compiles_for_a_cuda_gpu():
     """Triton's real compiler, down to a cubin for sm_80 and sm_90, with no GPU: what the interpreter cannot check
     (the first H200 run found every variant refused by Triton 3.6's compiler). In its own process, without
@@ -408,10 +454,10 @@ def run_everything(model, ids, prefix):
 
 @pytest.mark.parametrize("kind, installed, expected", [
     ("samba", "packages", {"selective_scan_fn", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update"}),
-    ("samba", "triton only", {"selective_scan_triton"}),
+    ("samba", "triton only", {"selective_scan_triton", "causal_conv_triton"}),
     ("mamba2", "packages", {"mamba_chunk_scan_combined", "selective_state_update", "causal_conv1d_fn",
                             "causal_conv1d_update"}),
-    ("mamba2", "triton only", {"ssd_scan_triton"}),
+    ("mamba2", "triton only", {"ssd_scan_triton", "causal_conv_triton"}),
 ])
 def test_a_model_runs_every_kernel_and_equals_the_pytorch_path(monkeypatch, kind, installed, expected):
     calls = only(monkeypatch, PACKAGES if installed == "packages" else TRITON_ONLY)

@@ -267,6 +267,21 @@ def test_flex_attention_failing_in_a_forward_goes_block_wise_and_says_so(monkeyp
     assert modeling._FLEX_ATTENTION_WORKS == {key: False}
 
 
+def test_no_block_mask_is_built_past_the_recompile_limit(monkeypatch, caplog):
+    """On a GPU the block mask builder is compiled per shape; past torch.compile's recompile limit it would run
+    uncompiled and materialise the whole (queries x keys) mask, so a new shape gets none (the block-wise path runs),
+    said once. (Decided before anything touches the device: this runs without one.)"""
+    from samba_hf import modeling_samba as modeling
+
+    limit = getattr(torch._dynamo.config, "recompile_limit", 8)
+    monkeypatch.setattr(modeling, "_FLEX_MASK_SHAPES", {("another shape", n) for n in range(limit)})
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert modeling.sliding_window_block_mask(None, 1, 300, 300, 64, torch.device("cuda")) is None
+    said = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
+    assert len(said) == 1 and "block-wise" in said[0]
+
+
 def test_a_model_through_flex_sliding_attention_equals_the_blockwise_path(monkeypatch):
     """Where flex_attention is chosen (a GPU), a long prompt, a padded batch and a cached continuation give what the
     block-wise path gives, and flex_attention ran for every sliding layer. (Its backward runs on a GPU only:

@@ -14,7 +14,8 @@ from samba_hf import SambaForCausalLM
 
 from conftest import tiny_model
 
-REMOTE_FILES = {"configuration_samba.py", "modeling_samba.py", "ssm_samba.py", "linear_samba.py", "triton_scan_samba.py"}
+REMOTE_FILES = {"configuration_samba.py", "modeling_samba.py", "ssm_samba.py", "linear_samba.py", "triton_scan_samba.py",
+                "triton_conv_samba.py"}
 
 
 @pytest.fixture(scope="module")

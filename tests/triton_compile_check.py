@@ -1,4 +1,4 @@
-"""Compile every variant of samba-hf's Triton kernels that the Python side launches, with Triton's real compiler, for
+"""Compile every variant of samba-hf's Triton kernels (the scans and the conv) that the Python side launches, with Triton's real compiler, for
 CUDA targets (sm_80, sm_90), down to a cubin, on a machine without a GPU.
 
 The interpreter that tests/test_kernels.py runs under checks what the kernels compute, but not whether the compiler
@@ -18,6 +18,7 @@ from triton.compiler import ASTSource
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "..", "src", "samba_hf", "triton_scan_samba.py")
+CONV_SOURCE = os.path.join(HERE, "..", "src", "samba_hf", "triton_conv_samba.py")
 
 # (name, head_dim, groups, a_per_head, d_inner, d_state): the layouts the models give _Layout
 LAYOUTS = [
@@ -27,11 +28,23 @@ LAYOUTS = [
 ]
 
 
-def load_kernels():
-    spec = importlib.util.spec_from_file_location("triton_scan_samba_checked", SOURCE)
+def load_kernels(source=SOURCE):
+    spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3] + "_checked", source)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def conv_variants(c):
+    """(kernel, description, pointer types, constexprs) for every launch of triton_conv_samba.py."""
+    for dtype, has_bias in itertools.product(("bf16", "fp32"), (True, False)):
+        constants = dict(K=4, HAS_BIAS=has_bias, BLOCK_T=c.BLOCK_T, BLOCK_D=c.BLOCK_D)
+        bias = dtype if has_bias else None
+        yield (c._conv_forward, f"conv forward {dtype} {constants}",
+               dict(x_ptr=dtype, w_ptr=dtype, bias_ptr=bias, out_ptr=dtype), constants)
+        yield (c._conv_backward, f"conv backward {dtype} {constants}",
+               dict(x_ptr=dtype, w_ptr=dtype, grad_ptr=dtype, grad_x_ptr=dtype, grad_w_ptr="fp32",
+                    grad_bias_ptr="fp32" if has_bias else None), constants)
 
 
 def compile_for(fn, target, pointers: dict, constants: dict) -> str:
@@ -94,10 +107,10 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run without TRITON_INTERPRET=1: the interpreter replaces the kernels this compiles", file=sys.stderr)
         return 2
-    t = load_kernels()
+    t, c = load_kernels(), load_kernels(CONV_SOURCE)
     failures = 0
     for target in (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)):
-        for fn, what, pointers, constants in variants(t):
+        for fn, what, pointers, constants in itertools.chain(variants(t), conv_variants(c)):
             why = compile_for(fn, target, pointers, constants)
             failures += bool(why)
             print(f"sm_{target.arch} {what}: {why or 'ok'}", flush=True)

@@ -335,17 +335,33 @@ class SlidingWindowFlexMask:
     window: int
 
 
+_FLEX_MASK_SHAPES: set = set()  # the shapes the block mask builder was compiled for in this process
+
+
 def sliding_window_block_mask(
     padding_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, window: int, device: torch.device
-) -> SlidingWindowFlexMask:
+) -> SlidingWindowFlexMask | None:
     """The sliding-window band of `sliding_window_attention_blockwise` for flex_attention: query i (at position
     kv_len - q_len + i) sees key j iff 0 <= (kv_len - q_len + i) - j < window and key j is not padding; the padded
     queries and keys up to `flex_length` see nothing. padding_mask (batch, kv_len) bool or None. Built once per
     forward for all sliding layers (on a GPU by compiled code, as transformers' flex masks are); the lengths are
-    tensors, so that one compiled mask builder serves every length of a bucket."""
+    tensors, so that one compiled mask builder serves every length of a bucket. None where a new shape would pass
+    torch.compile's recompile limit (past it the builder runs uncompiled and materialises the whole mask): the
+    block-wise path then runs, said once."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     q_padded, kv_padded = flex_length(q_len), flex_length(kv_len)
+    if device.type == "cuda":
+        shape = (device, None if padding_mask is None else batch, q_padded, kv_padded)
+        limit = getattr(torch._dynamo.config, "recompile_limit", 8)
+        if shape not in _FLEX_MASK_SHAPES and len(_FLEX_MASK_SHAPES) >= limit:
+            logger.warning_once(
+                f"samba-hf: flex_attention's block mask has been compiled for {limit} shapes (torch.compile's "
+                "recompile limit); sliding-window inputs of other lengths or batch sizes go through the block-wise "
+                "sdpa path."
+            )
+            return None
+        _FLEX_MASK_SHAPES.add(shape)
     past, queries, keys = (torch.tensor(n, device=device) for n in (kv_len - q_len, q_len, kv_len))
     padded_keys = None if padding_mask is None else nn.functional.pad(padding_mask, (0, kv_padded - kv_len))
 
@@ -1279,10 +1295,12 @@ class SambaModel(SambaPreTrainedModel):
                     q_len = inputs_embeds.shape[1]
                     kv_len = q_len + self._sliding_cache_length(past_key_values)
                     keys_padding = None if padding is None or bool(padding.all()) else padding[:, -kv_len:]
-                    mask_mapping["sliding_attention"] = sliding_window_block_mask(
+                    flex_mask = sliding_window_block_mask(
                         keys_padding, inputs_embeds.shape[0], q_len, kv_len, self.config.sliding_window,
                         inputs_embeds.device,
                     )
+                    if flex_mask is not None:  # (None: past the compile limit, block-wise)
+                        mask_mapping["sliding_attention"] = flex_mask
         return mask_mapping
 
     def _flex_sliding(self, inputs_embeds: torch.Tensor) -> bool:
@@ -1574,7 +1592,7 @@ model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=T
 ```
 
 The folder carries its own modeling code (`modeling_samba.py`, `configuration_samba.py`, `ssm_samba.py`, `linear_samba.py`,
-`triton_scan_samba.py`), so
+`triton_scan_samba.py`, `triton_conv_samba.py`), so
 `trust_remote_code=True` works without the samba-hf package.
 """
 

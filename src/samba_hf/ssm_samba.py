@@ -16,8 +16,10 @@
                                                   samba-hf's Triton scan over heads
     Mamba-2 (SSD) scan                           mamba-ssm's Triton `mamba_chunk_scan_combined` (takes a state);
                                                   without it, samba-hf's Triton scan over heads
-    causal conv                                  causal-conv1d's `causal_conv1d_fn` / `causal_conv1d_update`
-                                                 (a plain `nn.Conv1d` only: an adapter-wrapped conv runs as a module)
+    causal conv                                  causal-conv1d's `causal_conv1d_fn` / `causal_conv1d_update`;
+                                                  without it, samba-hf's own Triton conv (`triton_conv_samba.py`),
+                                                  outside torch.compile (a plain `nn.Conv1d` only: an
+                                                  adapter-wrapped conv runs as a module)
 
 Each fallback to PyTorch on a CUDA tensor is logged once, naming what runs instead and what to install. Under
 torch.compile the scans are samba-hf's Triton operators whatever else is installed (mamba-ssm's kernels are not torch
@@ -87,6 +89,7 @@ class Kernels(typing.NamedTuple):
 
     selective_scan_triton: Callable | None  # samba-hf's own (triton_scan_samba.py): needs only Triton
     ssd_scan_triton: Callable | None  # the same kernel over Mamba-2's heads
+    causal_conv_triton: Callable | None  # samba-hf's own (triton_conv_samba.py): needs only Triton
     selective_scan_fn: Callable | None  # mamba-ssm, compiled CUDA (its extension `selective_scan_cuda`)
     selective_state_update: Callable | None  # mamba-ssm, Triton: one token, Mamba-1 and Mamba-2
     mamba_chunk_scan_combined: Callable | None  # mamba-ssm, Triton: Mamba-2's SSD
@@ -154,7 +157,15 @@ def load_kernels() -> Kernels:
             _check_scan(selective_scan_triton, "cpu" if INTERPRET_KERNELS else "cuda")
         return selective_scan_triton, ssd_scan_triton
 
+    def triton_conv():
+        from .triton_conv_samba import causal_conv_triton
+
+        if INTERPRET_KERNELS or torch.cuda.is_available():
+            _check_conv(causal_conv_triton, "cpu" if INTERPRET_KERNELS else "cuda")
+        return (causal_conv_triton,)
+
     attempt(["selective_scan_triton", "ssd_scan_triton"], triton_scans)
+    attempt(["causal_conv_triton"], triton_conv)
     attempt(["selective_scan_fn"], cuda_scan)
     attempt(["selective_state_update"],
             lambda: (_import_mamba_ssm("ops.triton.selective_state_update").selective_state_update,))
@@ -177,6 +188,16 @@ def _check_scan(scan, device: str):
     if not (torch.allclose(y, y_ref, atol=1e-4) and torch.allclose(h, h_ref, atol=1e-4)):
         where = torch.cuda.get_device_name() if device == "cuda" else device
         raise RuntimeError(f"it gives other numbers than the PyTorch scan on {where}")
+
+
+def _check_conv(conv, device: str):
+    """Run samba-hf's Triton conv once on a few numbers against `depthwise_causal_conv`, from a cached left context:
+    where it cannot compile, or compiles wrongly, it is then left out (said once). Raises a RuntimeError saying so."""
+    g = torch.Generator(device=device).manual_seed(0)
+    window, weight, bias = (torch.rand(*shape, device=device, generator=g) for shape in ((1, 5, 7), (5, 4), (5,)))
+    if not torch.allclose(conv(window, weight, bias, 4), depthwise_causal_conv(weight, bias, window, 4), atol=1e-5):
+        where = torch.cuda.get_device_name() if device == "cuda" else device
+        raise RuntimeError(f"it gives other numbers than the PyTorch conv on {where}")
 
 
 def _fallback(kernel: str, runs: str, install: str):
@@ -977,7 +998,11 @@ def causal_conv(conv1d: nn.Conv1d, window: torch.Tensor, seq_len: int) -> torch.
                 return kernels.causal_conv1d_update(window[..., -1], state, weight, conv1d.bias, activation=None)[..., None]
             # causal_conv1d_fn(x (b, d, l), weight (d, K)): zero left padding, every position
             return kernels.causal_conv1d_fn(window.contiguous(), weight, conv1d.bias, activation=None)[..., -seq_len:]
-        _fallback("causal_conv1d_fn", "the Mamba conv runs as a PyTorch Conv1d", _INSTALL_CONV)
+        if kernels.causal_conv_triton is not None and not compiling():  # (compiled: the Conv1d below, by Inductor)
+            return kernels.causal_conv_triton(window, weight, conv1d.bias, seq_len)
+        if kernels.causal_conv_triton is None:
+            _fallback("causal_conv1d_fn", "the Mamba conv runs as a PyTorch Conv1d (samba-hf's Triton conv is "
+                      f"unavailable too: {kernels.missing.get('causal_conv_triton', 'not installed')})", _INSTALL_CONV)
     elif plain:
         return depthwise_causal_conv(conv1d.weight[:, 0, :], conv1d.bias, window, seq_len)
     return conv1d(window)[..., : window.shape[-1]][..., -seq_len:]

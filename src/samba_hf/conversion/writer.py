@@ -63,7 +63,7 @@ def expected_tensors(config: SambaConfig) -> dict[str, tuple[int, ...]]:
 # What a samba-hf folder holds (writer and save_pretrained): `--force` replaces a folder of these names only.
 OUR_FILES = re.compile(
     r"config\.json|generation_config\.json|README\.md|model(-\d{5}-of-\d{5})?\.safetensors|"
-    r"model\.safetensors\.index\.json|(configuration|modeling|ssm|linear|triton_scan)_samba\.py|"
+    r"model\.safetensors\.index\.json|(configuration|modeling|ssm|linear|triton_scan|triton_conv)_samba\.py|"
     r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|chat_template\.jinja|"
     r"vocab\.json|merges\.txt"
 )

@@ -1,0 +1,1 @@
+../triton_conv_samba.py

@@ -1,0 +1,1 @@
+../../../src/samba_hf/triton_conv_samba.py
