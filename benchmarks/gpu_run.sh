@@ -6,9 +6,10 @@
 #     bash benchmarks/gpu_run.sh pip        # what `pip install samba-hf` gives (~9 min): tests/test_gpu.py without
 #                                           # the kernel packages, then benchmarks/gpu.py on samba-hf's Triton scans
 #     bash benchmarks/gpu_run.sh kernels    # build mamba-ssm and causal-conv1d (~5 min), tests/test_gpu.py with them
-#     bash benchmarks/gpu_run.sh bench      # benchmarks/gpu.py at #32's lengths, on samba-hf's Triton kernels, then
-#                                           # with mamba-ssm and causal-conv1d (after `all` or `kernels` on the same
-#                                           # machine: call it while that machine is still warm)
+#     bash benchmarks/gpu_run.sh bench      # benchmarks/gpu.py at #32's lengths on samba-hf's Triton kernels (~4
+#                                           # min; its micro-benchmarks set them beside mamba-ssm's where `all` or
+#                                           # `kernels` built it on this machine: call it while that one is warm)
+#     bash benchmarks/gpu_run.sh bench-kernels  # the same with mamba-ssm and causal-conv1d in the models (~4 min)
 #
 # The default (all) is one device command: the two builds run niced while tests/test_gpu.py runs without the
 # packages; then tests/test_gpu.py with them; then benchmarks/gpu.py at the lengths #32 names (prefill 4K / 32K /
@@ -16,7 +17,8 @@
 # them beside mamba-ssm's kernels, and NemotronH takes mamba-ssm), cut off by its --time-limit so that everything
 # ends by $DEADLINE seconds (default 580). On an H100 (2026-11-26) the two test runs took 131 s and 158 s and left
 # the benchmark 57 s, too few: it ran as a second command on the same machine (220 s; the command is in
-# docs/speed-history.md). So with 15 minutes of device time: `all`, then at once `bench` on the still-warm machine.
+# docs/speed-history.md). So with 15 minutes of device time (a start, 9 minutes, 4 minutes): `all`, then at once
+# `bench` on the still-warm machine; `bench-kernels` when there is more time.
 #   1. transformers 5.24 (from the bundle) first on the path; samba-hf from src/;
 #   2. mamba-ssm and causal-conv1d built from their sdists for this GPU's architecture only, both at once (kept in
 #      $WORK, default ~/.samba-hf-gpu, so that `bench` after `kernels` on the same machine reuses them);
@@ -27,7 +29,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${1:-all}
-case "$STAGE" in all|pip|kernels|bench) ;; *) echo "gpu_run.sh: the stage is pip, kernels, bench or nothing (all), not $STAGE" >&2; exit 1 ;; esac
+case "$STAGE" in all|pip|kernels|bench|bench-kernels) ;; *) echo "gpu_run.sh: the stage is pip, kernels, bench, bench-kernels or nothing (all), not $STAGE" >&2; exit 1 ;; esac
 OUT=${OUT:-out/gpu}
 BUNDLE=${BUNDLE:-out/gpu-bundle}
 WORK=${WORK:-$HOME/.samba-hf-gpu}
@@ -85,7 +87,7 @@ if [ "$STAGE" = all ]; then
     step test-gpu-without-kernels 240 env PYTHONPATH="$without" python3 -m pytest -q -rf --durations=8 tests/test_gpu.py
     wait
     with_kernels="$PWD/src:$(printf '%s:' "$kernels"/*)$site"
-    step test-gpu-with-kernels 170 env PYTHONPATH="$with_kernels" python3 -m pytest -q -rf --durations=8 tests/test_gpu.py
+    step test-gpu-with-kernels 200 env PYTHONPATH="$with_kernels" python3 -m pytest -q -rf --durations=8 tests/test_gpu.py
     left=$((DEADLINE - SECONDS))  # the benchmark stops measuring a minute before, and is stopped at, the deadline
     if [ "$left" -gt 90 ]; then
         step bench-pip-install "$left" env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --kernels triton \
@@ -108,11 +110,13 @@ if [ "$STAGE" = kernels ]; then
     with_kernels="$PWD/src:$(printf '%s:' "$kernels"/*)$site"
     step test-gpu-with-kernels 170 env PYTHONPATH="$with_kernels" python3 -m pytest -q -rf tests/test_gpu.py
 fi
+lengths="--prefill 4096,32768,131072 --decode 1024,65536 --steps 16"  # #32's
 if [ "$STAGE" = bench ]; then
-    lengths="--prefill 4096,32768,131072 --decode 1024,65536 --steps 16"
-    step bench-pip-install 285 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --kernels triton $lengths \
-        --time-limit 225 --out "$OUT/gpu-pip-install.json"
-    step bench-with-kernels 285 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py $lengths --time-limit 225 \
+    step bench-pip-install 250 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py --kernels triton $lengths \
+        --time-limit 190 --out "$OUT/gpu-pip-install.json"
+fi
+if [ "$STAGE" = bench-kernels ]; then
+    step bench-with-kernels 250 env PYTHONPATH="$with_kernels" python3 benchmarks/gpu.py $lengths --time-limit 190 \
         --out "$OUT/gpu-kernels.json"
 fi
 log "done ($STAGE); results in $OUT"

@@ -123,7 +123,7 @@ def test_the_gpu_script_refuses_a_wrong_stage_a_missing_bundle_and_a_machine_wit
     bundle.mkdir()
     env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "BUNDLE": str(bundle),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # python3: this CPU-only torch
-    cases = [(["tests"], "the stage is pip, kernels, bench or nothing (all), not tests"),  # the old stage name
+    cases = [(["tests"], "the stage is pip, kernels, bench, bench-kernels or nothing (all), not tests"),  # the old name
              (["pip"], f"no wheels in {bundle}"),
              (["pip"], "sees no CUDA GPU here")]
     for number, (argv, said) in enumerate(cases):
