@@ -43,7 +43,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, NemotronHConfig, NemotronHForCausalLM
 
 from samba_hf import SambaConfig, SambaForCausalLM, modeling_samba, ssm_samba
-from samba_hf.modeling_samba import SambaModel, cache_layer_kind
+from samba_hf.modeling_samba import CACHE_NAME, SambaModel, cache_layer_kind
 
 MODELS = ("Samba-1.3B", "Llama-1.3B", "Mamba-2-Hybrid", "NemotronH")
 HYBRID_PATTERN = "M-M*-M-"  # blocks 7-13 of the 8B's pattern
@@ -189,7 +189,8 @@ def eager_decoder(model, context: int, batch: int):
         nonlocal token, at
         for _ in range(steps):
             position = torch.full((batch, 1), context + at, device=model.device)
-            token = model(token, past_key_values=cache, use_cache=True, position_ids=position).logits[:, -1:].argmax(-1)
+            step = model(token, **{CACHE_NAME: cache}, use_cache=True, position_ids=position)  # (5.24's name: cache)
+            token = step.logits[:, -1:].argmax(-1)
             at += 1
 
     run(2)
