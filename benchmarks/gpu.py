@@ -485,6 +485,29 @@ def mamba_conv(args, device, dtype) -> dict:
     return at_each_length(args, "conv", measure)
 
 
+def scan_inputs(args, device, dtype, length: int) -> dict:
+    """One Mamba layer's scan inputs at this length, seeded: {"samba": ([u, dt, B, C, z], A, D)} for Samba-1.3B's
+    layer (d_inner channels, d_state states, the gate) and {"mamba2": ([x, dt, B, C], A, D)} for the
+    Mamba-2-Hybrid's (heads x head_dim, groups, d_state); the tensors that can take gradients first."""
+    chosen = configs(args.smoke)
+    samba, hybrid = chosen["Samba-1.3B"], chosen["Mamba-2-Hybrid"]
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=g)
+
+    d, n = samba.mamba_d_inner, samba.mamba_d_state
+    heads, p, groups, m = hybrid.mamba2_num_heads, hybrid.mamba2_head_dim, hybrid.mamba2_n_groups, hybrid.mamba_d_state
+    return {
+        "samba": ([randn(1, length, d).to(dtype), torch.nn.functional.softplus(randn(1, length, d) - 4).to(dtype),
+                   randn(1, length, n).to(dtype), randn(1, length, n).to(dtype), randn(1, length, d).to(dtype)],
+                  -torch.rand(d, n, device=device, generator=g) * 16, torch.ones(d, device=device)),
+        "mamba2": ([randn(1, length, heads, p).to(dtype), torch.nn.functional.softplus(randn(1, length, heads) - 4),
+                    randn(1, length, groups, m).to(dtype), randn(1, length, groups, m).to(dtype)],
+                   -torch.rand(heads, device=device, generator=g) * 16, torch.ones(heads, device=device)),
+    }
+
+
 def mamba_scan(args, device, dtype) -> dict:
     """One Mamba layer's scan at each length up to 32K, through `ssm_samba.selective_scan` / `ssd_scan` as the models
     call them, once with each scan installed (whatever --kernels leaves the models): samba-hf's Triton scan,
@@ -494,8 +517,7 @@ def mamba_scan(args, device, dtype) -> dict:
     Samba-1.3B's layer ("samba": d_inner channels, d_state states, the gate) and the Mamba-2-Hybrid's ("mamba2":
     heads x head_dim, groups, d_state). Where the scans go in a prefill, and how samba-hf's Triton scan stands against
     mamba-ssm's (#32 asks for within 1.2x)."""
-    chosen = configs(args.smoke)
-    samba, hybrid = chosen["Samba-1.3B"], chosen["Mamba-2-Hybrid"]
+    hybrid = configs(args.smoke)["Mamba-2-Hybrid"]
     found, in_this_run = installed_kernels(), ssm_samba.load_kernels()
     none = dict.fromkeys(ssm_samba.Kernels._fields[:-1])
     only = {"triton": found._replace(selective_scan_fn=None, selective_state_update=None, mamba_chunk_scan_combined=None),
@@ -512,21 +534,7 @@ def mamba_scan(args, device, dtype) -> dict:
         return ssm_samba.ssd_scan(x, dt, A, B, C, D, chunk_size=hybrid.mamba2_chunk_size)[0]
 
     def measure(length):
-        g = torch.Generator(device=device).manual_seed(0)
-
-        def randn(*shape):
-            return torch.randn(*shape, device=device, generator=g)
-
-        d, n = samba.mamba_d_inner, samba.mamba_d_state
-        heads, p, groups, m = hybrid.mamba2_num_heads, hybrid.mamba2_head_dim, hybrid.mamba2_n_groups, hybrid.mamba_d_state
-        inputs = {  # the tensors that take gradients first, then A and D
-            "samba": ([randn(1, length, d).to(dtype), torch.nn.functional.softplus(randn(1, length, d) - 4).to(dtype),
-                       randn(1, length, n).to(dtype), randn(1, length, n).to(dtype), randn(1, length, d).to(dtype)],
-                      -torch.rand(d, n, device=device, generator=g) * 16, torch.ones(d, device=device)),
-            "mamba2": ([randn(1, length, heads, p).to(dtype), torch.nn.functional.softplus(randn(1, length, heads) - 4),
-                        randn(1, length, groups, m).to(dtype), randn(1, length, groups, m).to(dtype)],
-                       -torch.rand(heads, device=device, generator=g) * 16, torch.ones(heads, device=device)),
-        }
+        inputs = scan_inputs(args, device, dtype, length)
         row = {}
         for kind, (tensors, A, D) in inputs.items():
             for name, kernels in only.items():
@@ -573,25 +581,10 @@ def scan_configs(args, device, dtype) -> dict:
         return {"skipped": "samba-hf's Triton scan is not available here"}
     from samba_hf import triton_scan_samba
 
-    chosen = configs(args.smoke)
-    samba, hybrid = chosen["Samba-1.3B"], chosen["Mamba-2-Hybrid"]
-
     def measure(length):
-        g = torch.Generator(device=device).manual_seed(0)
-
-        def randn(*shape):
-            return torch.randn(*shape, device=device, generator=g)
-
-        d, n = samba.mamba_d_inner, samba.mamba_d_state
-        heads, p, groups, m = hybrid.mamba2_num_heads, hybrid.mamba2_head_dim, hybrid.mamba2_n_groups, hybrid.mamba_d_state
-        u, z = randn(1, length, d).to(dtype), randn(1, length, d).to(dtype)
-        dt = torch.nn.functional.softplus(randn(1, length, d) - 4).to(dtype)
-        B, C = randn(1, length, n).to(dtype), randn(1, length, n).to(dtype)
-        A, D = -torch.rand(d, n, device=device, generator=g) * 16, torch.ones(d, device=device)
-        x = randn(1, length, heads, p).to(dtype)
-        dt2 = torch.nn.functional.softplus(randn(1, length, heads) - 4)
-        B2, C2 = randn(1, length, groups, m).to(dtype), randn(1, length, groups, m).to(dtype)
-        A2, D2 = -torch.rand(heads, device=device, generator=g) * 16, torch.ones(heads, device=device)
+        inputs = scan_inputs(args, device, dtype, length)
+        (u, dt, B, C, z), A, D = inputs["samba"]
+        (x, dt2, B2, C2), A2, D2 = inputs["mamba2"]
         calls = {"samba": lambda: found.selective_scan_triton(u, dt, A, B, C, D, z)[0],
                  "mamba2": lambda: found.ssd_scan_triton(x, dt2, A2, B2, C2, D2)[0]}
         row, reference = {}, {}
