@@ -338,6 +338,20 @@ class SlidingWindowFlexMask:
 _FLEX_MASK_SHAPES: set = set()  # the shapes the block mask builder was compiled for in this process
 
 
+def within_recompile_limit(compiled: set, shape: tuple, what: str) -> bool:
+    """Whether `what` may be compiled for `shape` (recorded in `compiled`, this process's shapes so far): not when
+    that would pass torch.compile's recompile limit, past which torch runs it uncompiled (said once)."""
+    limit = getattr(torch._dynamo.config, "recompile_limit", 8)
+    if shape not in compiled and len(compiled) >= limit:
+        logger.warning_once(
+            f"samba-hf: {what} has been compiled for {limit} shapes (torch.compile's recompile limit); sliding-window "
+            "inputs of other lengths or batch sizes go through the block-wise sdpa path."
+        )
+        return False
+    compiled.add(shape)
+    return True
+
+
 def sliding_window_block_mask(
     padding_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, window: int, device: torch.device
 ) -> SlidingWindowFlexMask | None:
@@ -351,17 +365,9 @@ def sliding_window_block_mask(
     from torch.nn.attention.flex_attention import create_block_mask
 
     q_padded, kv_padded = flex_length(q_len), flex_length(kv_len)
-    if device.type == "cuda":
-        shape = (device, None if padding_mask is None else batch, q_padded, kv_padded)
-        limit = getattr(torch._dynamo.config, "recompile_limit", 8)
-        if shape not in _FLEX_MASK_SHAPES and len(_FLEX_MASK_SHAPES) >= limit:
-            logger.warning_once(
-                f"samba-hf: flex_attention's block mask has been compiled for {limit} shapes (torch.compile's "
-                "recompile limit); sliding-window inputs of other lengths or batch sizes go through the block-wise "
-                "sdpa path."
-            )
-            return None
-        _FLEX_MASK_SHAPES.add(shape)
+    shape = (device, None if padding_mask is None else batch, q_padded, kv_padded)
+    if device.type == "cuda" and not within_recompile_limit(_FLEX_MASK_SHAPES, shape, "flex_attention's block mask"):
+        return None
     past, queries, keys = (torch.tensor(n, device=device) for n in (kv_len - q_len, q_len, kv_len))
     padded_keys = None if padding_mask is None else nn.functional.pad(padding_mask, (0, kv_padded - kv_len))
 
@@ -393,14 +399,8 @@ def flex_attention_kernel(query: torch.Tensor, key: torch.Tensor, q_padded: int,
         return flex_attention
     shape = (query.device, query.dtype, query.shape[:2], key.shape[:2], query.shape[3], q_padded, kv_padded,
              torch.is_grad_enabled() and query.requires_grad)
-    limit = getattr(torch._dynamo.config, "recompile_limit", 8)
-    if shape not in _FLEX_SHAPES and len(_FLEX_SHAPES) >= limit:
-        logger.warning_once(
-            f"samba-hf: flex_attention has been compiled for {limit} shapes (torch.compile's recompile limit); "
-            "sliding-window inputs of other lengths or batch sizes go through the block-wise sdpa path."
-        )
+    if not within_recompile_limit(_FLEX_SHAPES, shape, "flex_attention"):
         return None
-    _FLEX_SHAPES.add(shape)
     if _COMPILED_FLEX_ATTENTION is None:
         _COMPILED_FLEX_ATTENTION = torch.compile(flex_attention, dynamic=False)
     return _COMPILED_FLEX_ATTENTION
