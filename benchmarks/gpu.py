@@ -560,6 +560,11 @@ def mamba_scan(args, device, dtype) -> dict:
 # value}); the first is the default.
 SCAN_CONFIGS = [
     ("default", {}),
+    ("a token a step (the H100 run's kernel)", {"TILE_MAX": 1}),
+    ("8 tokens a step", {"TILE_ELEMENTS": 4096}),
+    ("8 tokens a step, 8 warps", {"TILE_ELEMENTS": 4096, "NUM_WARPS": 8}),
+    ("16 tokens of 16 channels a step, 8 warps", {"TILE_ELEMENTS": 4096, "BLOCK_D_MAX": 16, "NUM_WARPS": 8}),
+    ("16 tokens a step, no segments", {"TILE_ELEMENTS": 8192, "NUM_WARPS": 8, "MIN_SEGMENT": 1 << 30}),
     ("16 channels a program", {"BLOCK_D_MAX": 16}),
     ("8 channels a program", {"BLOCK_D_MAX": 8}),
     ("1 warp", {"NUM_WARPS": 1}),
@@ -574,8 +579,9 @@ SCAN_CONFIGS = [
 def scan_configs(args, device, dtype) -> dict:
     """samba-hf's Triton scan (forward, inference) under each launch of `SCAN_CONFIGS`, on Samba-1.3B's layer and the
     Mamba-2-Hybrid's, at the micro-benchmarks' lengths: seconds, and the largest difference from the default's
-    output (the choice must not change the numbers beyond rounding). What the defaults of triton_scan_samba.py
-    should be; the H100 run found the forward at 4K 1.28 ms a layer, 25x what reading and writing its tensors takes."""
+    output (the choice must not change the numbers beyond rounding); at 4K Samba's forward and backward too. What
+    the defaults of triton_scan_samba.py should be; the H100 run found the forward at 4K 1.28 ms a layer (a token a
+    step), 25x what reading and writing its tensors takes."""
     found = installed_kernels()
     if found.selective_scan_triton is None:
         return {"skipped": "samba-hf's Triton scan is not available here"}
@@ -600,6 +606,11 @@ def scan_configs(args, device, dtype) -> dict:
                     reference.setdefault(kind, out)
                     row[f"{kind} {name}"] = {"seconds": seconds,
                                              "difference": (out - reference[kind]).abs().max().item()}
+                if length == min(4096, max(attention_lengths(args))):  # the backward takes the same tiles
+                    leaves = [t.detach().requires_grad_() for t in (u, dt, B, C, z)]
+                    row[f"samba {name}"]["train_seconds"] = timed(
+                        lambda: found.selective_scan_triton(leaves[0], leaves[1], A, leaves[2], leaves[3], D,
+                                                            leaves[4])[0].float().sum().backward())
             finally:
                 for key, value in saved.items():
                     setattr(triton_scan_samba, key, value)

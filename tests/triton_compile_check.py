@@ -5,12 +5,16 @@ The interpreter that tests/test_kernels.py runs under checks what the kernels co
 takes them: on the first H200 run (Triton 3.6) every variant failed to compile ("Inconsistent return types": a
 helper returned a scalar from one constexpr branch and a tensor from the other), which the interpreter accepts.
 Run without TRITON_INTERPRET (the interpreter replaces the kernels): `python tests/triton_compile_check.py` prints one
-line per variant and ends with "failures N"; tests/test_kernels.py runs it."""
+line per variant, "ok" with the registers a thread takes and what it spills, and ends with "failures N";
+tests/test_kernels.py runs it."""
 
 import importlib.util
 import itertools
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -47,8 +51,28 @@ def conv_variants(c):
                     grad_bias_ptr="fp32" if has_bias else None), constants)
 
 
+def resources(ptx: str, arch: int) -> str:
+    """What a thread of the kernel takes, from ptxas -v on its PTX (Triton's own ptxas): registers, and the bytes it
+    spills to memory where it runs out of them (a tile too large for its warps)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as file:
+            file.write(ptx)
+        arch_name = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"  # Triton's PTX for sm_90 targets sm_90a
+        report = subprocess.run([get_ptxas(arch).path, f"-arch={arch_name}", "-v", path, "-o", os.devnull],
+                                capture_output=True, text=True).stderr
+    registers = re.findall(r"Used (\d+) registers", report)
+    spilled = re.findall(r"(\d+) bytes spill stores", report)
+    if not registers:
+        return "resources unknown"
+    return f"{registers[-1]} registers, {spilled[-1] if spilled else '?'} bytes spilled"
+
+
 def compile_for(fn, target, pointers: dict, constants: dict) -> str:
-    """Compile fn with these pointer element types (None: an absent optional tensor) and constexprs; "" or why not."""
+    """Compile fn with these pointer element types (None: an absent optional tensor) and constexprs: "ok" with what
+    each thread takes (`resources`), or why not."""
     signature, constexprs = {}, {}
     for name in fn.arg_names:
         if name in constants:
@@ -63,8 +87,10 @@ def compile_for(fn, target, pointers: dict, constants: dict) -> str:
     try:
         kernel = triton.compile(ASTSource(fn, signature, constexprs), target=target)
     except Exception as error:  # the compiler's message, last lines
-        return " | ".join(str(error).strip().splitlines()[-3:])[:500]
-    return "" if kernel.asm.get("cubin") else "no cubin produced"
+        return "failed: " + " | ".join(str(error).strip().splitlines()[-3:])[:500]
+    if not kernel.asm.get("cubin"):
+        return "no cubin produced"
+    return f"ok ({resources(kernel.asm['ptx'], target.arch)})"
 
 
 def variants(t):
@@ -84,9 +110,11 @@ def variants(t):
                             elapsed_ptr="fp32" if segmented else None)
             if segmented:
                 pointers["y_ptr"] = "fp32"  # _forward keeps y in float32 when it joins segments
-            yield t._scan_forward, f"forward {name} {dtype} {constants}", pointers, constants
+            for tile in sorted({1, layout.tile}):  # one token (the decoding step), and the long prompts' step
+                constants = dict(constants, TILE=tile)
+                yield t._scan_forward, f"forward {name} {dtype} {constants}", pointers, constants
         for has_z, grad_h in itertools.product((mamba1, False), (False, True)):
-            constants = dict(base, HAS_D=True, HAS_Z=has_z, HAS_GRAD_H=grad_h)
+            constants = dict(base, HAS_D=True, HAS_Z=has_z, HAS_GRAD_H=grad_h, TILE=layout.tile)
             pointers = dict(u_ptr=dtype, dt_ptr="fp32", A_ptr="fp32", B_ptr=dtype, C_ptr=dtype, D_ptr="fp32",
                             z_ptr=dtype if has_z else None, checkpoints_ptr="fp32", scratch_ptr="fp32",
                             grad_y_ptr=dtype, grad_h_ptr="fp32" if grad_h else None, grad_u_ptr="fp32",
@@ -97,7 +125,7 @@ def variants(t):
         yield (t._join_segments, f"join {name}", dict(A_ptr="fp32", ends_ptr="fp32", elapsed_ptr="fp32",
                                                       starts_ptr="fp32", h_ptr="fp32"), shared)
         for has_z in {mamba1, False}:
-            constants = dict(shared, ONE_GROUP=layout.one_group, HAS_Z=has_z)
+            constants = dict(shared, ONE_GROUP=layout.one_group, HAS_Z=has_z, TILE=layout.tile)
             pointers = dict(dt_ptr="fp32", A_ptr="fp32", C_ptr=dtype, z_ptr=dtype if has_z else None,
                             starts_ptr="fp32", y_ptr="fp32")
             yield t._correct_segments, f"correct {name} {dtype} {constants}", pointers, constants
@@ -111,9 +139,9 @@ def main() -> int:
     failures = 0
     for target in (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)):
         for fn, what, pointers, constants in itertools.chain(variants(t), conv_variants(c)):
-            why = compile_for(fn, target, pointers, constants)
-            failures += bool(why)
-            print(f"sm_{target.arch} {what}: {why or 'ok'}", flush=True)
+            outcome = compile_for(fn, target, pointers, constants)
+            failures += not outcome.startswith("ok")
+            print(f"sm_{target.arch} {what}: {outcome}", flush=True)
     print(f"failures {failures}")
     return 0
 

@@ -10,8 +10,11 @@ one D, and a group of heads shares B and C (`ssd_scan_triton`; no z, the mixer g
 
 One program per (sequence, block of BLOCK_D channels) walks the sequence in order, holding its channels' states
 (BLOCK_D x d_state, float32) in registers: no (tokens x channels x states) tensor is ever built, and the inputs are
-read in the mixers' (batch, seq, channels) layout. A zero step (dt = 0, padding) leaves the state as it was. The
-same kernel with one token is the decoding step.
+read in the mixers' (batch, seq, channels) layout. It takes TILE tokens a step: their inputs loaded at once, their
+states found by an associative scan over the tile (two steps h -> a h + b compose into one), so that the walk waits
+on memory once a tile rather than once a token (one token a step, the H100 run's kernel, took 1.28 ms a layer at
+4K, 25x what moving its tensors takes). A zero step (dt = 0, padding) leaves the state as it was. The same kernel
+with one token is the decoding step.
 
 With few sequences and channel blocks that leaves most of a GPU waiting on one long walk, so for inference a long
 sequence is cut into segments scanned at once from zero, then joined exactly: `_join_segments` finds each
@@ -21,7 +24,9 @@ segment's true starting state from the ends of those before it (the recurrence i
 For the backward the forward also keeps the state before every CHUNK-th token (`checkpoints`, batch x
 tokens/CHUNK x channels x d_state: 1/CHUNK of what a naive backward keeps). The backward walks the chunks from the
 last: it recomputes a chunk's states from its checkpoint into a scratch of CHUNK + 1 states per program (bounded,
-whatever the length), then steps back through them carrying the gradient of the state. The gradients of B and C,
+whatever the length), then goes back through them a tile at a time, each tile's tokens read from its last, so that
+the gradient of the state (carry_t = grad_t C_t + exp(dt_{t+1} A) carry_{t+1}) is the same associative scan as the
+forward's (no reversed scan: Triton's `reverse=True` has had wrong results reported). The gradients of B and C,
 sums over channels, are added across programs atomically (float32).
 
 Under torch.compile the scan is the operator `torch.ops.samba_hf.scan_triton` (`_operator`), so a compiled decoding
@@ -48,24 +53,57 @@ CHUNK = 64  # tokens between the forward's checkpoints, and the backward's recom
 # alternatives (and the segments' MIN_SEGMENT / PROGRAMS_PER_SM below) on the next run.
 BLOCK_D_MAX = 32
 NUM_WARPS = 4
+# Tokens a step of the forward: at most TILE_MAX (1: a token a step, the kernel the H100 run measured), with the
+# step's tile (tokens x channels x states, float32) at most TILE_ELEMENTS: 4 tokens for Samba's layers (ptxas for
+# sm_90, Triton 3.9: 108 registers a thread, no spills; 16 tokens of 32 channels spill) and 1 for Mamba-2's 128
+# states. Chosen by the compiler's resources, not yet by a GPU's clock: `scan_configs` times the others.
+TILE_MAX = 16
+TILE_ELEMENTS = 2048
 
 
 @triton.jit
-def _load_row(ptr, b, t, d, d_ok, stride_b, stride_t, HEAD_DIM: tl.constexpr):
-    """(BLOCK_D,) values of token t for the block's channels, from a (batch, seq, channels / HEAD_DIM) tensor."""
-    return tl.load(ptr + b * stride_b + t * stride_t + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
+def _load_rows(ptr, b, t, t_ok, d, d_ok, stride_b, stride_t, HEAD_DIM: tl.constexpr):
+    """(TILE, BLOCK_D) values of tokens t for the block's channels (zero where not t_ok), from a (batch, seq,
+    channels / HEAD_DIM) tensor."""
+    offsets = b * stride_b + t[:, None] * stride_t + (d // HEAD_DIM)[None, :]
+    return tl.load(ptr + offsets, mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _load_state_row(ptr, b, t, group, n, d_ok, n_ok, stride_b, stride_t, stride_g, ONE_GROUP: tl.constexpr):
-    """B_t or C_t for the block's channels: (1, BLOCK_N) when they share a group, else (BLOCK_D, BLOCK_N)."""
-    row = ptr + b * stride_b + t * stride_t
-    if ONE_GROUP:  # (one return: Triton wants the same type from every return, constexpr branches or not)
-        values = tl.load(row + group * stride_g + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+def _load_state_rows(ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_b, stride_t, stride_g, ONE_GROUP: tl.constexpr):
+    """B or C of tokens t for the block's channels: (TILE, 1, BLOCK_N) when they share a group, else
+    (TILE, BLOCK_D, BLOCK_N)."""
+    rows = ptr + b * stride_b + t[:, None, None] * stride_t
+    if ONE_GROUP:
+        values = tl.load(rows + group * stride_g + n[None, None, :], mask=t_ok[:, None, None] & n_ok[None, None, :],
+                         other=0.0).to(tl.float32)
     else:
-        values = tl.load(row + group[:, None] * stride_g + n[None, :], mask=d_ok[:, None] & n_ok[None, :],
+        values = tl.load(rows + group[None, :, None] * stride_g + n[None, None, :],
+                         mask=t_ok[:, None, None] & (d_ok[:, None] & n_ok[None, :])[None, :, :],
                          other=0.0).to(tl.float32)
     return values
+
+
+@triton.jit
+def _decays(dt, A, A_PER_HEAD: tl.constexpr):
+    """exp(dt A) of a tile: (TILE, BLOCK_D, 1) when A is one number per channel, else (TILE, BLOCK_D, BLOCK_N)."""
+    if A_PER_HEAD:
+        decay = tl.exp(dt * A[None, :])[:, :, None]
+    else:
+        decay = tl.exp(dt[:, :, None] * A[None, :, :])
+    return decay
+
+
+@triton.jit
+def _first_order(decay_1, state_1, decay_2, state_2):
+    """Two steps of h -> decay * h + state, the first then the second, as one (the associative scan's combine)."""
+    return decay_1 * decay_2, decay_2 * state_1 + state_2
+
+
+@triton.jit
+def _last(values, TILE: tl.constexpr):
+    """values[TILE - 1] of a (TILE, ...) tile."""
+    return tl.sum(tl.where((tl.arange(0, TILE) == TILE - 1)[:, None, None], values, 0.0), axis=0)
 
 
 @triton.jit
@@ -107,6 +145,7 @@ def _scan_forward(
     HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_H0: tl.constexpr, KEEP_CHECKPOINTS: tl.constexpr,
     SEGMENTED: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     """Program (sequence b, channel block, segment s) scans tokens [s * segment_len, (s + 1) * segment_len), from h0
     in the first segment and from zero in the others (`_join_segments` and `_correct_segments` then add what the
@@ -133,21 +172,32 @@ def _scan_forward(
     for c in range(0, tl.cdiv(end - start, CHUNK)):
         if KEEP_CHECKPOINTS:  # (batch, chunks, channels, d_state); one segment only
             tl.store(checkpoints_ptr + (b * tl.cdiv(seq_len, CHUNK) + c) * d_inner * d_state + dn, h, mask=dn_ok)
-        for t in range(start + c * CHUNK, tl.minimum(start + c * CHUNK + CHUNK, end)):
-            u = _load_row(u_ptr, b, t, d, d_ok, stride_u_b, stride_u_t, 1)
-            dt = _load_row(dt_ptr, b, t, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
-            B = _load_state_row(B_ptr, b, t, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g, ONE_GROUP)
-            C = _load_state_row(C_ptr, b, t, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP)
-            h = _decay(dt, A, A_PER_HEAD) * h + (dt * u)[:, None] * B
+        chunk_end = tl.minimum(start + c * CHUNK + CHUNK, end)
+        for first in range(start + c * CHUNK, chunk_end, TILE):
+            # TILE tokens a step: their inputs loaded at once, their states by an associative scan over the tile
+            # (a token past the end has dt = 0, u = 0: it leaves the state as it was)
+            t = first + tl.arange(0, TILE)
+            t_ok = t < chunk_end
+            u = _load_rows(u_ptr, b, t, t_ok, d, d_ok, stride_u_b, stride_u_t, 1)  # (TILE, BLOCK_D)
+            dt = _load_rows(dt_ptr, b, t, t_ok, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
+            B = _load_state_rows(B_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g,
+                                 ONE_GROUP)  # (TILE, 1 or BLOCK_D, BLOCK_N)
+            C = _load_state_rows(C_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g,
+                                 ONE_GROUP)
+            decay = _decays(dt, A, A_PER_HEAD) + tl.zeros((TILE, BLOCK_D, BLOCK_N), dtype=tl.float32)
+            decays, states = tl.associative_scan((decay, (dt * u)[:, :, None] * B), axis=0, combine_fn=_first_order)
+            states += decays * h[None, :, :]  # (TILE, BLOCK_D, BLOCK_N): the state after each token
+            h = _last(states, TILE)
             if SEGMENTED:
-                elapsed += dt
-            y = tl.sum(h * C, axis=1)
+                elapsed += tl.sum(dt, axis=0)
+            y = tl.sum(states * C, axis=2)
             if HAS_D:
-                y += D * u
+                y += D[None, :] * u
             if HAS_Z:
-                z = _load_row(z_ptr, b, t, d, d_ok, stride_z_b, stride_z_t, 1)
+                z = _load_rows(z_ptr, b, t, t_ok, d, d_ok, stride_z_b, stride_z_t, 1)
                 y *= z * tl.sigmoid(z)
-            tl.store(y_ptr + b * stride_y_b + t * stride_y_t + d, y.to(y_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(y_ptr + b * stride_y_b + t[:, None] * stride_y_t + d[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=t_ok[:, None] & d_ok[None, :])
     segments = tl.num_programs(2)
     tl.store(h_ptr + (b * segments + segment) * d_inner * d_state + dn, h, mask=dn_ok)
     if SEGMENTED:
@@ -183,7 +233,7 @@ def _correct_segments(
     seq_len, d_inner, d_state, channels_per_group, segment_len,
     stride_dt_b, stride_dt_t, stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_y_b, stride_y_t,
     HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_Z: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
 ):
     """y_t += <g_t, C_t> (gated) over segment s + 1, where g starts at the segment's true starting state and decays
     as the state does (g_t = exp(dt_t A) g_{t-1}): what that state adds to the zero-start scan of `_scan_forward`."""
@@ -199,17 +249,23 @@ def _correct_segments(
     segments = tl.num_programs(2) + 1
     g = tl.load(starts_ptr + (b * segments + segment) * d_inner * d_state + dn, mask=dn_ok, other=0.0)
     start = segment.to(tl.int64) * segment_len
-    for t in range(start, tl.minimum(start + segment_len, seq_len)):
-        dt = _load_row(dt_ptr, b, t, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
-        C = _load_state_row(C_ptr, b, t, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP)
-        g = _decay(dt, A, A_PER_HEAD) * g
-        correction = tl.sum(g * C, axis=1)
+    end = tl.minimum(start + segment_len, seq_len)
+    for first in range(start, end, TILE):
+        t = first + tl.arange(0, TILE)
+        t_ok = t < end
+        dt = _load_rows(dt_ptr, b, t, t_ok, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)  # (TILE, BLOCK_D)
+        C = _load_state_rows(C_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP)
+        # g after each token of the tile: exp(A * (dt summed up to it)) g (exp(a) exp(b) = exp(a + b))
+        decays = _decays(tl.cumsum(dt, axis=0), A, A_PER_HEAD) * g[None, :, :]  # (TILE, BLOCK_D, BLOCK_N)
+        g = _last(decays, TILE)
+        correction = tl.sum(decays * C, axis=2)
         if HAS_Z:
-            z = _load_row(z_ptr, b, t, d, d_ok, stride_z_b, stride_z_t, 1)
+            z = _load_rows(z_ptr, b, t, t_ok, d, d_ok, stride_z_b, stride_z_t, 1)
             correction *= z * tl.sigmoid(z)
-        y_at = y_ptr + b * stride_y_b + t * stride_y_t + d
-        y = tl.load(y_at, mask=d_ok, other=0.0).to(tl.float32) + correction
-        tl.store(y_at, y.to(y_ptr.dtype.element_ty), mask=d_ok)
+        y_at = y_ptr + b * stride_y_b + t[:, None] * stride_y_t + d[None, :]
+        y_ok = t_ok[:, None] & d_ok[None, :]
+        y = tl.load(y_at, mask=y_ok, other=0.0).to(tl.float32) + correction
+        tl.store(y_at, y.to(y_ptr.dtype.element_ty), mask=y_ok)
 
 
 @triton.jit
@@ -221,7 +277,7 @@ def _scan_backward(
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_gy_b, stride_gy_t, stride_g_b, stride_g_t,
     HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_GRAD_H: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
 ):
     """Gradients, per program (sequence b, channel block): u, dt (per channel), z, h0: its own entries; A, D: per
     sequence and channel, (batch, channels, d_state or 1) and (batch, channels), summed by the caller; B, C: added
@@ -254,56 +310,80 @@ def _scan_backward(
         c = chunks - 1 - reverse
         start = c.to(tl.int64) * CHUNK
         end = tl.minimum(start + CHUNK, seq_len)
-        # the chunk's states, recomputed from its checkpoint: scratch[k] = the state before token start + k
+        # the chunk's states, recomputed from its checkpoint a tile at a time: scratch[k] = the state before token
+        # start + k
         h = tl.load(checkpoints_ptr + (b * chunks + c) * d_inner * d_state + dn, mask=dn_ok, other=0.0)
         tl.store(scratch + local, h)
-        for t in range(start, end):
-            u = _load_row(u_ptr, b, t, d, d_ok, stride_u_b, stride_u_t, 1)
-            dt = _load_row(dt_ptr, b, t, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
-            B = _load_state_row(B_ptr, b, t, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g, ONE_GROUP)
-            h = _decay(dt, A, A_PER_HEAD) * h + (dt * u)[:, None] * B
-            tl.store(scratch + (t - start + 1) * BLOCK_D * BLOCK_N + local, h)
+        for first in range(start, end, TILE):
+            t = first + tl.arange(0, TILE)
+            t_ok = t < end
+            u = _load_rows(u_ptr, b, t, t_ok, d, d_ok, stride_u_b, stride_u_t, 1)
+            dt = _load_rows(dt_ptr, b, t, t_ok, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
+            B = _load_state_rows(B_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g,
+                                 ONE_GROUP)
+            decay = _decays(dt, A, A_PER_HEAD) + tl.zeros((TILE, BLOCK_D, BLOCK_N), dtype=tl.float32)
+            decays, states = tl.associative_scan((decay, (dt * u)[:, :, None] * B), axis=0, combine_fn=_first_order)
+            states += decays * h[None, :, :]
+            h = _last(states, TILE)
+            tl.store(scratch + (t - start + 1)[:, None, None] * BLOCK_D * BLOCK_N + local[None, :, :], states,
+                     mask=t_ok[:, None, None])
         tl.debug_barrier()
-        for k in range(0, end - start):
-            t = end - 1 - k
-            u = _load_row(u_ptr, b, t, d, d_ok, stride_u_b, stride_u_t, 1)
-            dt = _load_row(dt_ptr, b, t, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
-            B = _load_state_row(B_ptr, b, t, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g, ONE_GROUP)
-            C = _load_state_row(C_ptr, b, t, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP)
-            grad = _load_row(grad_y_ptr, b, t, d, d_ok, stride_gy_b, stride_gy_t, 1)
-            h = tl.load(scratch + (t - start + 1) * BLOCK_D * BLOCK_N + local)  # h_t
-            h_before = tl.load(scratch + (t - start) * BLOCK_D * BLOCK_N + local)  # h_{t-1}
+        # then back through the chunk a tile at a time, each tile's tokens from its last (row i: token last - i),
+        # so that the gradient of the state, carry_t = grad_y_t C_t + exp(dt_{t+1} A) carry_{t+1}, is an
+        # associative scan in the same order as the forward's
+        tiles = tl.cdiv(end - start, TILE)
+        for k in range(0, tiles):
+            last = start + (tiles - 1 - k) * TILE + TILE - 1
+            t = last - tl.arange(0, TILE)
+            t_ok = t < end
+            u = _load_rows(u_ptr, b, t, t_ok, d, d_ok, stride_u_b, stride_u_t, 1)  # (TILE, BLOCK_D)
+            dt = _load_rows(dt_ptr, b, t, t_ok, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
+            B = _load_state_rows(B_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g,
+                                 ONE_GROUP)
+            C = _load_state_rows(C_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g,
+                                 ONE_GROUP)
+            grad = _load_rows(grad_y_ptr, b, t, t_ok, d, d_ok, stride_gy_b, stride_gy_t, 1)
+            rows = (t - start)[:, None, None] * BLOCK_D * BLOCK_N + local[None, :, :]
+            h_before = tl.load(scratch + rows, mask=t_ok[:, None, None], other=0.0)  # h_{t-1}: (TILE, BLOCK_D, BLOCK_N)
+            h_after = tl.load(scratch + rows + BLOCK_D * BLOCK_N, mask=t_ok[:, None, None], other=0.0)  # h_t
             if HAS_Z:  # y = s * silu(z), s the output before the gate
-                z = _load_row(z_ptr, b, t, d, d_ok, stride_z_b, stride_z_t, 1)
-                s = tl.sum(h * C, axis=1)
+                z = _load_rows(z_ptr, b, t, t_ok, d, d_ok, stride_z_b, stride_z_t, 1)
+                s = tl.sum(h_after * C, axis=2)
                 if HAS_D:
-                    s += D * u
+                    s += D[None, :] * u
                 sig = tl.sigmoid(z)
-                tl.store(grad_z_ptr + b * stride_g_b + t * stride_g_t + d,
-                         grad * s * sig * (1.0 + z * (1.0 - sig)), mask=d_ok)
+                tl.store(grad_z_ptr + b * stride_g_b + t[:, None] * stride_g_t + d[None, :],
+                         grad * s * sig * (1.0 + z * (1.0 - sig)), mask=t_ok[:, None] & d_ok[None, :])
                 grad = grad * z * sig  # the gradient of s
             if HAS_D:
-                grad_D += grad * u
-            _add_over_channels(grad_C_ptr, tl.where(dn_ok, h * grad[:, None], 0.0), b, t, group, n, d_ok, n_ok,
-                               seq_len, groups, d_state, ONE_GROUP)
-            carry += grad[:, None] * C  # the gradient of h_t
-            decay = _decay(dt, A, A_PER_HEAD)
-            from_decay = tl.where(dn_ok, carry * decay * h_before, 0.0)  # d/d(dt A) of decay * h_{t-1}
-            into_state = tl.where(dn_ok, carry * B, 0.0)
+                grad_D += tl.sum(grad * u, axis=0)
+            _add_tile_over_channels(grad_C_ptr, h_after * grad[:, :, None], b, t, t_ok, group, n, d_ok, n_ok, seq_len,
+                                    groups, d_state, ONE_GROUP)
+            # the decay of the token after each (1 after the tile's last: the carry from there comes in whole)
+            after = t + 1
+            dt_after = _load_rows(dt_ptr, b, after, (after <= last) & (after < end), d, d_ok, stride_dt_b,
+                                  stride_dt_t, HEAD_DIM)
+            decay_after = _decays(dt_after, A, A_PER_HEAD) + tl.zeros((TILE, BLOCK_D, BLOCK_N), dtype=tl.float32)
+            decays, carries = tl.associative_scan((decay_after, grad[:, :, None] * C), axis=0, combine_fn=_first_order)
+            carries += decays * carry[None, :, :]  # the gradient of h_t
+            decay = _decays(dt, A, A_PER_HEAD)
+            from_decay = tl.where(dn_ok[None, :, :], carries * decay * h_before, 0.0)  # d/d(dt A) of decay h_{t-1}
+            into_state = tl.where(dn_ok[None, :, :], carries * B, 0.0)
             if A_PER_HEAD:
-                grad_A += tl.sum(from_decay, axis=1) * dt
-                grad_dt = tl.sum(from_decay, axis=1) * A + tl.sum(into_state, axis=1) * u
+                grad_A += tl.sum(tl.sum(from_decay, axis=2) * dt, axis=0)
+                grad_dt = tl.sum(from_decay, axis=2) * A[None, :] + tl.sum(into_state, axis=2) * u
             else:
-                grad_A += from_decay * dt[:, None]
-                grad_dt = tl.sum(from_decay * A + into_state * u[:, None], axis=1)
-            grad_u = tl.sum(into_state, axis=1) * dt
+                grad_A += tl.sum(from_decay * dt[:, :, None], axis=0)
+                grad_dt = tl.sum(from_decay * A[None, :, :] + into_state * u[:, :, None], axis=2)
+            grad_u = tl.sum(into_state, axis=2) * dt
             if HAS_D:
-                grad_u += grad * D
-            tl.store(grad_u_ptr + b * stride_g_b + t * stride_g_t + d, grad_u, mask=d_ok)
-            tl.store(grad_dt_ptr + b * stride_g_b + t * stride_g_t + d, grad_dt, mask=d_ok)
-            _add_over_channels(grad_B_ptr, tl.where(dn_ok, carry * (dt * u)[:, None], 0.0), b, t, group, n, d_ok,
-                               n_ok, seq_len, groups, d_state, ONE_GROUP)
-            carry = carry * decay
+                grad_u += grad * D[None, :]
+            rows_ok = t_ok[:, None] & d_ok[None, :]
+            tl.store(grad_u_ptr + b * stride_g_b + t[:, None] * stride_g_t + d[None, :], grad_u, mask=rows_ok)
+            tl.store(grad_dt_ptr + b * stride_g_b + t[:, None] * stride_g_t + d[None, :], grad_dt, mask=rows_ok)
+            _add_tile_over_channels(grad_B_ptr, carries * (dt * u)[:, :, None], b, t, t_ok, group, n, d_ok, n_ok,
+                                    seq_len, groups, d_state, ONE_GROUP)
+            carry = _last(carries * decay, TILE)  # the gradient of the state before the tile's first token
         tl.debug_barrier()
     tl.store(grad_h0_ptr + state_offset, carry, mask=dn_ok)
     if A_PER_HEAD:
@@ -315,14 +395,17 @@ def _scan_backward(
 
 
 @triton.jit
-def _add_over_channels(grad_ptr, values, b, t, group, n, d_ok, n_ok, seq_len, groups, d_state,
-                       ONE_GROUP: tl.constexpr):
-    """grad[b, t, group(channel), :] += values[channel, :] for the block's channels ((batch, seq, groups, d_state))."""
-    row = grad_ptr + ((b * seq_len + t) * groups) * d_state
+def _add_tile_over_channels(grad_ptr, values, b, t, t_ok, group, n, d_ok, n_ok, seq_len, groups, d_state,
+                            ONE_GROUP: tl.constexpr):
+    """grad[b, t, group(channel), :] += values[t, channel, :] for tokens t (where t_ok) and the block's channels
+    (grad: (batch, seq, groups, d_state), float32; atomically, as other programs add theirs)."""
+    rows = grad_ptr + ((b * seq_len + t) * groups) * d_state  # (TILE,)
     if ONE_GROUP:
-        tl.atomic_add(row + group * d_state + n, tl.sum(values, axis=0), mask=n_ok)
+        tl.atomic_add(rows[:, None] + group * d_state + n[None, :], tl.sum(tl.where(d_ok[None, :, None], values, 0.0),
+                      axis=1), mask=t_ok[:, None] & n_ok[None, :])
     else:
-        tl.atomic_add(row + group[:, None] * d_state + n[None, :], values, mask=d_ok[:, None] & n_ok[None, :])
+        tl.atomic_add(rows[:, None, None] + group[None, :, None] * d_state + n[None, None, :], values,
+                      mask=t_ok[:, None, None] & (d_ok[:, None] & n_ok[None, :])[None, :, :])
 
 
 class _Layout:
@@ -338,6 +421,12 @@ class _Layout:
         self.block_d = max(1, min(BLOCK_D_MAX, 2048 // self.block_n, triton.next_power_of_2(d_inner)))
         self.one_group = groups == 1 or self.channels_per_group % self.block_d == 0
         self.blocks = triton.cdiv(d_inner, self.block_d)
+        # tokens a step of the forward (a power of two, dividing CHUNK)
+        self.tile = max(1, min(TILE_MAX, CHUNK, TILE_ELEMENTS // (self.block_d * self.block_n)))
+
+    def tile_for(self, seq_len: int) -> int:
+        """Tokens a step for seq_len tokens: no more than there are (the decoding step takes one a step)."""
+        return min(self.tile, triton.next_power_of_2(seq_len))
 
     def constants(self):
         return dict(HEAD_DIM=self.head_dim, A_PER_HEAD=self.a_per_head, ONE_GROUP=self.one_group, CHUNK=CHUNK,
@@ -382,7 +471,7 @@ def _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
         seq_len, d_inner, d_state, layout.channels_per_group, segment_len,
         *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2), *_strides(y, 2),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_H0=h0 is not None, KEEP_CHECKPOINTS=keep_checkpoints,
-        SEGMENTED=segments > 1, **layout.constants(), num_warps=NUM_WARPS,
+        SEGMENTED=segments > 1, **layout.constants(), TILE=layout.tile_for(segment_len), num_warps=NUM_WARPS,
     )
     if segments == 1:
         return y, ends[:, 0], checkpoints
@@ -394,7 +483,8 @@ def _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
     _correct_segments[(batch, layout.blocks, segments - 1)](
         dt, A, C, z, starts, y, seq_len, d_inner, d_state, layout.channels_per_group, segment_len,
         *_strides(dt, 2), *_strides(C, 3), *_strides(z, 2), *_strides(y, 2),
-        ONE_GROUP=layout.one_group, HAS_Z=z is not None, **constants,
+        ONE_GROUP=layout.one_group, HAS_Z=z is not None, TILE=layout.tile_for(segment_len), **constants,
+        num_warps=NUM_WARPS,
     )
     return y.to(u.dtype), h, None
 
@@ -420,6 +510,7 @@ def _backward(layout, u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h):
         *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2),
         *_strides(grad_y, 2), *_strides(grad_u, 2),  # grad_u, grad_dt and grad_z: contiguous (batch, seq, channels)
         HAS_D=D is not None, HAS_Z=z is not None, HAS_GRAD_H=grad_h is not None, **layout.constants(),
+        TILE=layout.tile_for(seq_len), num_warps=NUM_WARPS,
     )
     heads = d_inner // layout.head_dim
     return (
