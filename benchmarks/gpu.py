@@ -24,9 +24,9 @@ as the nn.Conv1d module, as 4 shifted multiply-adds and through causal-conv1d wh
 as skipped with why; an out-of-memory is recorded as such.
 
 Which kernels samba-hf runs is what this environment has, or less with --kernels (recorded under "kernels");
-transformers' NemotronH decides for itself when it is imported. benchmarks/gpu_run.sh runs it once with mamba-ssm
-and causal-conv1d importable and once without them (--kernels triton: what `pip install` gives); --plot draws the
-JSON files together.
+transformers' NemotronH takes mamba-ssm and causal-conv1d where they import, except with --kernels triton or none,
+which keeps it on its torch path too (recorded as "nemotron_h_mamba_ssm"). benchmarks/gpu_run.sh runs it with
+--kernels triton (what `pip install` gives) and, given time, with everything; --plot draws the JSON files together.
 On a machine without CUDA it says so in one line and exits 1. --smoke runs the same code on tiny models on the CPU
 (tests/test_benchmark_options.py runs it), so that a GPU session never discovers a bug in this file.
 """
@@ -40,7 +40,7 @@ import time
 from datetime import date
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, NemotronHConfig, NemotronHForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, NemotronHConfig
 
 from samba_hf import SambaConfig, SambaForCausalLM, modeling_samba, ssm_samba
 from samba_hf.modeling_samba import CACHE_NAME, SambaModel, cache_layer_kind
@@ -80,6 +80,8 @@ def configs(smoke: bool) -> dict:
 
 
 def build(name: str, config, device, dtype):
+    from transformers import NemotronHForCausalLM  # (imported here: after `hide_kernel_packages`, where it runs)
+
     torch.manual_seed(0)
     cls = {"Llama-1.3B": LlamaForCausalLM, "NemotronH": NemotronHForCausalLM}.get(name, SambaForCausalLM)
     if cls is SambaForCausalLM:
@@ -253,6 +255,21 @@ def installed_kernels():
     """What the micro-benchmarks compare: every kernel installed, whatever --kernels gave the models (the H100 run
     of 2026-11-26 compared samba-hf's Triton scan with nothing, mamba-ssm being hidden by --kernels triton)."""
     return INSTALLED or ssm_samba.load_kernels()
+
+
+KERNEL_PACKAGES = ("mamba_ssm", "causal_conv1d")
+
+
+def hide_kernel_packages():
+    """Keep transformers' NemotronH on its torch path, as --kernels triton / none keeps samba-hf's models off the
+    packages (#32 compares the Mamba-2-Hybrid with NemotronH's torch path): NemotronH takes mamba-ssm and
+    causal-conv1d wherever they import, deciding when its modeling file is imported, so they are made unimportable
+    before that. The micro-benchmarks still compare the packages' kernels, which samba-hf's loader found before
+    (`INSTALLED`). The H100 run of 2026-11-26 ran NemotronH on mamba-ssm in its `--kernels triton` run."""
+    if "transformers.models.nemotron_h.modeling_nemotron_h" in sys.modules:
+        raise RuntimeError("transformers' NemotronH was imported before the kernel packages were hidden from it")
+    for name in KERNEL_PACKAGES:
+        sys.modules[name] = None  # `import name` now raises ImportError
 
 
 def kernels_present() -> dict:
@@ -775,7 +792,8 @@ def main(argv=None):
                         help="contexts up to this decode with graphs too (each context and batch compiles anew)")
     parser.add_argument("--kernels", choices=("all", "triton", "none"), default="all",
                         help="samba-hf's kernels in this run: all that are installed; samba-hf's Triton scan alone "
-                             "(what pip install gives); none (PyTorch). NemotronH takes mamba-ssm where it imports")
+                             "(what pip install gives); none (PyTorch). NemotronH takes mamba-ssm where it imports, "
+                             "except with triton or none")
     parser.add_argument("--label", default=None, help="names this run in the plot (default: from the kernels found)")
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--smoke", action="store_true",
@@ -825,6 +843,7 @@ def main(argv=None):
         found = INSTALLED
         ssm_samba._KERNELS = found._replace(**{name: None for name in ssm_samba.Kernels._fields[:-1]
                                                if name not in keep})
+        hide_kernel_packages()
     if args.label is None:
         found = kernels_present()
         shown = ("selective_scan_fn", "causal_conv1d_fn", "selective_scan_triton", "flash_attn")

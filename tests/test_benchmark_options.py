@@ -174,6 +174,35 @@ def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
     assert drawn.returncode == 0 and figure.read_bytes()[:4] == b"\x89PNG", drawn.stderr[-2000:]
 
 
+def test_the_gpu_benchmark_keeps_nemotron_h_on_its_torch_path_with_kernels_triton(tmp_path):
+    """#32 compares the Mamba-2-Hybrid with transformers' NemotronH on its torch path; NemotronH takes mamba-ssm
+    wherever it imports (the H100 run's `--kernels triton` ran it on mamba-ssm). An importable package named
+    mamba_ssm, with the one function NemotronH looks for, stands in for an installed mamba-ssm here (what is tested
+    is the benchmark's hiding, not the package): NemotronH takes it, unless the benchmark hides the packages first."""
+    package = tmp_path / "mamba_ssm"
+    package.mkdir()
+    (package / "__init__.py").write_text("def mamba_chunk_scan_combined(*args, **kwargs):\n    raise AssertionError\n")
+    probe = (
+        "import importlib.util, inspect, sys\n"
+        "spec = importlib.util.spec_from_file_location('gpu', sys.argv[1])\n"
+        "gpu = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(gpu)\n"
+        "if sys.argv[2] == 'hide':\n"
+        "    gpu.hide_kernel_packages()\n"
+        "from transformers.models.nemotron_h import modeling_nemotron_h\n"
+        "print(inspect.getclosurevars(modeling_nemotron_h.mamba2_chunk_scan).nonlocals['is_new_implementation'])\n"
+        "print(gpu.kernels_present()['nemotron_h_mamba_ssm'])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    taken = {}
+    for mode in ("keep", "hide"):
+        result = subprocess.run([sys.executable, "-c", probe, str(GPU), mode], capture_output=True, text=True,
+                                env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        taken[mode] = result.stdout.split()
+    assert taken == {"keep": ["True", "True"], "hide": ["False", "False"]}
+
+
 def test_the_gpu_benchmark_says_in_one_line_that_there_is_no_gpu(tmp_path):
     result = subprocess.run([sys.executable, str(GPU), "--out", str(tmp_path / "run.json")], capture_output=True,
                             text=True, timeout=300)
