@@ -278,6 +278,32 @@ def test_samba_hfs_triton_scans_match_pytorch_with_gradients(triton_scans_only, 
     assert_all_close(values_and_gradients(ssm_samba.ssd_scan, inputs), values_and_gradients(PYTORCH_SSD, inputs), tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_samba_hfs_chunked_ssd_matches_float64_on_a_prompt(triton_scans_only, monkeypatch, dtype):
+    """Mamba-2 inference on a half-precision prompt takes samba-hf's chunked SSD (its products on the tensor cores):
+    against the float64 recurrence on the same rounded inputs, the 8B's head shape (64 x 128), several chunks and a
+    part, from a state. (CI checks float16 under the interpreter, whose bf16 products are wrong.)"""
+    from samba_hf import triton_scan_samba
+    from test_mamba2 import float64_ssd
+
+    calls, real = [], triton_scan_samba._ssd_chunked
+    monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, L, heads, head_dim, groups, n = 2, 300, 4, 64, 2, 128
+    x = torch.randn(b, L, heads, head_dim, device="cuda", generator=g).to(dtype)
+    dt = torch.nn.functional.softplus(torch.randn(b, L, heads, device="cuda", generator=g) - 2)
+    A, D = -torch.exp(torch.randn(heads, device="cuda", generator=g)), torch.randn(heads, device="cuda", generator=g)
+    B, C = (torch.randn(b, L, groups, n, device="cuda", generator=g).to(dtype) / n ** 0.5 for _ in range(2))
+    h0 = torch.randn(b, heads, head_dim, n, device="cuda", generator=g)
+    with torch.no_grad():
+        y, h = ssm_samba.ssd_scan(x, dt, A, B, C, D, h0)
+    y_ref, h_ref = float64_ssd(*(t.cpu() for t in (x, dt, A, B, C, D, h0)))
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-2  # products of 8 and of 11 bits
+    assert calls == [L] and y.dtype == dtype
+    assert (y.cpu().double() - y_ref).abs().max() <= tol * y_ref.abs().max()
+    assert (h.cpu().double() - h_ref).abs().max() <= tol * h_ref.abs().max()
+
+
 @pytest.mark.parametrize("kind", ["samba", "mamba2"])
 def test_decoding_in_cuda_graphs_gives_the_eager_tokens(kind):
     """generate with transformers' switches (a static cache, compile_config; its default mode on a GPU replays the

@@ -205,6 +205,101 @@ def test_samba_hfs_triton_ssd_equals_float64_with_its_gradients(triton_only, len
         assert_close(grad, want, 1e-4)
 
 
+def counted_chunked_ssd(monkeypatch) -> list:
+    """Count the chunked SSD's launches (`triton_scan_samba._ssd_chunked`): one entry per call, its x's length."""
+    from samba_hf import triton_scan_samba
+
+    calls, real = [], triton_scan_samba._ssd_chunked
+    monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest))
+    return calls
+
+
+# The interpreter's tl.dot gives wrong numbers for bfloat16 operands (Triton 3.9: a 16 x 16 product off by 3e10,
+# float16 right), so CI checks the chunked SSD in float16, the same kernel; tests/test_gpu.py checks bf16 on a GPU.
+@pytest.mark.parametrize("length", [16, 37, 100])  # one chunk of 32 cut short, two and a part, four and a part
+@pytest.mark.parametrize("from_state", [False, True])
+@pytest.mark.parametrize("shape", [
+    dict(heads=6, head_dim=4, groups=3, d_state=5),  # groups of two heads
+    dict(heads=2, head_dim=40, groups=2, d_state=20),  # a head's channels in two programs of 32, the second cut
+])
+def test_the_chunked_ssd_equals_float64(triton_only, monkeypatch, length, from_state, shape):
+    """Mamba-2 inference on a half-precision prompt: the chunked SSD (products in x's dtype, accumulated in float32)
+    against the float64 recurrence on the same rounded inputs, y and the last state."""
+    calls = counted_chunked_ssd(monkeypatch)
+    x, dt, A, B, C, D, h0 = ssd_inputs(length=length, **shape)
+    x, B, C = x.half(), B.half(), C.half()
+    h0 = h0 if from_state else None
+    with torch.no_grad():
+        y, h = ssm_samba.ssd_scan(x, dt, A, B, C, D, h0)
+    y_ref, h_ref = float64_ssd(x, dt, A, B, C, D, torch.zeros(h.shape) if h0 is None else h0)
+    assert calls == [length] and triton_only["ssd_scan_triton"] == 1
+    assert y.dtype == torch.float16 and h.dtype == torch.float32
+    assert (y.double() - y_ref).abs().max() <= 2e-3 * y_ref.abs().max()
+    assert (h.double() - h_ref).abs().max() <= 2e-3 * h_ref.abs().max()
+
+
+def test_only_half_precision_inference_on_a_prompt_takes_the_chunked_ssd(triton_only, monkeypatch):
+    """The chunked SSD serves inference on 16 tokens or more in bf16 / fp16; the decoding step, a gradient, float32
+    (TF32 products, or spills) and torch.compile take the scan (all of them checked against float64 above)."""
+    calls = counted_chunked_ssd(monkeypatch)
+    x, dt, A, B, C, D, h0 = ssd_inputs(length=16)
+    with torch.no_grad():
+        ssm_samba.ssd_scan(x, dt, A, B, C, D, h0)  # float32
+        ssm_samba.ssd_scan(x[:, :15].half(), dt[:, :15], A, B[:, :15].half(), C[:, :15].half(), D, h0)
+    assert calls == []
+    leaves = [t.half().requires_grad_() for t in (x, B, C)]
+    ssm_samba.ssd_scan(leaves[0], dt, A, leaves[1], leaves[2], D, h0)[0].float().sum().backward()
+    assert calls == [] and leaves[0].grad is not None
+    with torch.no_grad():
+        ssm_samba.ssd_scan(x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), D, h0)
+        ssm_samba.ssd_scan(x.half(), dt, A, B.half(), C.half(), D, h0)
+    assert calls == [16, 16]
+
+
+def test_a_chunked_ssd_that_fails_leaves_the_prompt_to_the_scan_said_once(triton_only, monkeypatch, caplog):
+    """Where the chunked SSD does not compile (bf16 products on a GPU before sm_80, say), the scan serves the prompt,
+    with the same numbers, and that is said once."""
+    from samba_hf import triton_scan_samba
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no bf16 products on this GPU")
+
+    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_FAILED", {})
+    monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", refuse)
+    x, dt, A, B, C, D, h0 = ssd_inputs(length=20)
+    x, B, C = x.half(), B.half(), C.half()
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        results = [ssm_samba.ssd_scan(x, dt, A, B, C, D, h0) for _ in range(2)]
+    said = [r.getMessage() for r in caplog.records if "chunked SSD does not run" in r.getMessage()]
+    assert len(said) == 1 and "no bf16 products on this GPU" in said[0] and "Triton scan instead" in said[0]
+    y_ref, h_ref = float64_ssd(x, dt, A, B, C, D, h0)
+    for y, h in results:
+        assert (y.double() - y_ref).abs().max() <= 2e-3 * y_ref.abs().max()
+        assert_close(h, h_ref, 1e-5)
+
+
+def test_a_float16_mamba2_model_prefills_through_the_chunked_ssd(triton_only, monkeypatch):
+    """A half-precision Mamba-2 model's prompt through the chunked SSD: the logits of the scan's path, and greedy
+    tokens decoded on from the state it leaves in the cache equal to the scan's."""
+    from samba_hf import triton_scan_samba
+
+    calls = counted_chunked_ssd(monkeypatch)
+    model = tiny_mamba2(seed=4).half()
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(4))
+    results = []
+    for minimum in (16, 10**9):  # the chunked SSD, then the scan alone
+        monkeypatch.setattr(triton_scan_samba, "SSD_MIN_TOKENS", minimum)
+        with torch.no_grad():
+            logits = model(ids).logits.float()
+            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                                    pad_token_id=0, eos_token_id=None)
+        results.append((logits, tokens))
+    assert calls and set(calls) == {40}
+    (logits, tokens), (scan_logits, scan_tokens) = results
+    assert (logits - scan_logits).abs().max() <= 2e-2 * scan_logits.abs().max()
+    assert torch.equal(tokens, scan_tokens)
+
+
 @pytest.mark.parametrize("length", [40, 101])
 @pytest.mark.parametrize("from_state", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -215,6 +310,7 @@ def test_a_long_inference_scan_runs_in_segments_joined_exactly(triton_only, monk
 
     monkeypatch.setattr(triton_scan_samba, "MIN_SEGMENT", 8)  # tiny segments, so that tiny inputs have several
     monkeypatch.setattr(triton_scan_samba, "PROGRAMS_PER_SM", 64)
+    monkeypatch.setattr(triton_scan_samba, "SSD_MIN_TOKENS", 10**9)  # Mamba-2's bf16 prompts: the scan, not chunks
     segments = []
     real = triton_scan_samba._segments
     monkeypatch.setattr(triton_scan_samba, "_segments", lambda *a: segments.append(real(*a)) or segments[-1])

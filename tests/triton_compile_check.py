@@ -70,7 +70,12 @@ def resources(ptx: str, arch: int) -> str:
     return f"{registers[-1]} registers, {spilled[-1] if spilled else '?'} bytes spilled"
 
 
-def compile_for(fn, target, pointers: dict, constants: dict) -> str:
+# The constant of triton_scan_samba.py that sets each kernel's warps (the others launch with Triton's 4).
+WARPS = {"_scan_forward": "NUM_WARPS", "_correct_segments": "NUM_WARPS", "_scan_backward": "NUM_WARPS",
+         "_ssd_chunked_forward": "SSD_NUM_WARPS"}
+
+
+def compile_for(fn, target, pointers: dict, constants: dict, num_warps: int = 4) -> str:
     """Compile fn with these pointer element types (None: an absent optional tensor) and constexprs: "ok" with what
     each thread takes (`resources`), or why not."""
     signature, constexprs = {}, {}
@@ -85,7 +90,7 @@ def compile_for(fn, target, pointers: dict, constants: dict) -> str:
         else:
             signature[name] = "i32"
     try:
-        kernel = triton.compile(ASTSource(fn, signature, constexprs), target=target)
+        kernel = triton.compile(ASTSource(fn, signature, constexprs), target=target, options={"num_warps": num_warps})
     except Exception as error:  # the compiler's message, last lines
         return "failed: " + " | ".join(str(error).strip().splitlines()[-3:])[:500]
     if not kernel.asm.get("cubin"):
@@ -131,6 +136,21 @@ def variants(t):
             yield t._correct_segments, f"correct {name} {dtype} {constants}", pointers, constants
 
 
+def ssd_variants(t):
+    """(kernel, description, pointer types, constexprs) for every launch of the chunked SSD (`_ssd_chunked`): Mamba-2
+    layouts' head_dim and d_state, bf16 and fp16, from zero and from a state."""
+    for (name, head_dim, groups, a_per_head, d_inner, d_state), dtype in itertools.product(LAYOUTS, ("bf16", "fp16")):
+        if not a_per_head:
+            continue
+        block_p = min(t.SSD_BLOCK_P, max(16, triton.next_power_of_2(head_dim)))
+        for has_h0 in (False, True):
+            constants = dict(HAS_D=True, HAS_H0=has_h0, CHUNK=t.SSD_CHUNK,
+                             BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(d_state)))
+            pointers = dict(x_ptr=dtype, dt_ptr="fp32", A_ptr="fp32", B_ptr=dtype, C_ptr=dtype, D_ptr="fp32",
+                            h0_ptr="fp32" if has_h0 else None, y_ptr=dtype, h_ptr="fp32")
+            yield t._ssd_chunked_forward, f"chunked SSD {name} {dtype} {constants}", pointers, constants
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run without TRITON_INTERPRET=1: the interpreter replaces the kernels this compiles", file=sys.stderr)
@@ -138,8 +158,9 @@ def main() -> int:
     t, c = load_kernels(), load_kernels(CONV_SOURCE)
     failures = 0
     for target in (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)):
-        for fn, what, pointers, constants in itertools.chain(variants(t), conv_variants(c)):
-            outcome = compile_for(fn, target, pointers, constants)
+        for fn, what, pointers, constants in itertools.chain(variants(t), ssd_variants(t), conv_variants(c)):
+            warps = getattr(t, WARPS[fn.__name__]) if fn.__name__ in WARPS else 4
+            outcome = compile_for(fn, target, pointers, constants, warps)
             failures += not outcome.startswith("ok")
             print(f"sm_{target.arch} {what}: {outcome}", flush=True)
     print(f"failures {failures}")

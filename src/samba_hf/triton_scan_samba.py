@@ -408,6 +408,70 @@ def _add_tile_over_channels(grad_ptr, values, b, t, t_ok, group, n, d_ok, n_ok, 
                       mask=t_ok[:, None, None] & (d_ok[:, None] & n_ok[None, :])[None, :, :])
 
 
+@triton.jit
+def _ssd_chunked_forward(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h0_ptr, y_ptr, h_ptr,
+    seq_len, heads, head_dim, d_state, heads_per_group,
+    stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+    stride_C_b, stride_C_t, stride_C_g, stride_y_b, stride_y_t, stride_y_h,
+    HAS_D: tl.constexpr, HAS_H0: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Mamba-2's SSD for inference in its chunked matrix form (`ssm_samba.ssd_scan_pytorch`'s), the products on
+    the tensor cores. Program (sequence b, head h, block of BLOCK_P of its channels) walks the chunks of CHUNK tokens
+    in order, holding the state S (BLOCK_P x d_state, float32); with cum_i = dt_1 A + ... + dt_i A in a chunk:
+
+        y_i = sum_{j <= i} exp(cum_i - cum_j) dt_j (C_i . B_j) x_j + exp(cum_i) S C_i + D x_i
+        S  <- exp(cum_last) S + sum_j exp(cum_last - cum_j) dt_j x_j B_j^T
+
+    every exponent <= 0. x, B and C in bf16 or fp16: the products take them so (the weights and the state rounded
+    to it too, as mamba-ssm's SSD does), accumulating in float32."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    i = tl.arange(0, CHUNK)
+    p_ok, n_ok = p < head_dim, n < d_state
+    pn = (head * head_dim + p)[:, None] * d_state + n[None, :]  # offsets in a (heads x head_dim, d_state) state
+    pn_ok = p_ok[:, None] & n_ok[None, :]
+    group = head // heads_per_group
+    A = tl.load(A_ptr + head).to(tl.float32)
+    if HAS_D:
+        D = tl.load(D_ptr + head).to(tl.float32)
+    S = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    if HAS_H0:
+        S = tl.load(h0_ptr + b * heads * head_dim * d_state + pn, mask=pn_ok, other=0.0).to(tl.float32)
+    dot_dtype = x_ptr.dtype.element_ty
+    causal = i[:, None] >= i[None, :]
+    for start in range(0, seq_len, CHUNK):
+        t = start + i
+        t_ok = t < seq_len
+        x = tl.load(x_ptr + b * stride_x_b + t[:, None] * stride_x_t + head * stride_x_h + p[None, :],
+                    mask=t_ok[:, None] & p_ok[None, :], other=0.0)  # (CHUNK, BLOCK_P)
+        dt = tl.load(dt_ptr + b * stride_dt_b + t * stride_dt_t + head, mask=t_ok, other=0.0).to(tl.float32)
+        state_rows = t_ok[:, None] & n_ok[None, :]
+        B = tl.load(B_ptr + b * stride_B_b + t[:, None] * stride_B_t + group * stride_B_g + n[None, :],
+                    mask=state_rows, other=0.0).to(dot_dtype)  # (CHUNK, BLOCK_N)
+        C = tl.load(C_ptr + b * stride_C_b + t[:, None] * stride_C_t + group * stride_C_g + n[None, :],
+                    mask=state_rows, other=0.0).to(dot_dtype)
+        cum = tl.cumsum(dt * A, axis=0)  # (CHUNK,); a token past the end adds 0
+        cum_last = tl.sum(tl.where(i == CHUNK - 1, cum, 0.0), axis=0)
+        # within the chunk: (C B^T, masked to j <= i and decayed) x
+        scores = tl.dot(C, tl.trans(B))  # (CHUNK, CHUNK)
+        decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], float("-inf")))
+        weights = (scores * decay * dt[None, :]).to(dot_dtype)
+        y = tl.dot(weights, x)  # (CHUNK, BLOCK_P)
+        # from the state the chunk starts in
+        y += tl.dot(C, tl.trans(S.to(dot_dtype))) * tl.exp(cum)[:, None]
+        if HAS_D:
+            y += D * x.to(tl.float32)
+        tl.store(y_ptr + b * stride_y_b + t[:, None] * stride_y_t + head * stride_y_h + p[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & p_ok[None, :])
+        # the state after the chunk
+        inputs = (x.to(tl.float32) * (tl.exp(cum_last - cum) * dt)[:, None]).to(dot_dtype)  # (CHUNK, BLOCK_P)
+        S = S * tl.exp(cum_last) + tl.dot(tl.trans(inputs), B)
+    tl.store(h_ptr + b * heads * head_dim * d_state + pn, S, mask=pn_ok)
+
+
 class _Layout:
     """How channels map onto heads and groups: Mamba (head_dim 1: every channel its own dt and A row; one group)
     or Mamba-2 (heads of head_dim channels sharing dt, A and D; groups of heads sharing B and C)."""
@@ -631,12 +695,59 @@ def selective_scan_triton(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torc
     return _run(layout, u, dt, A, B[:, :, None], C[:, :, None], D, z, h0)
 
 
+# Mamba-2 inference in bf16 / fp16 on at least SSD_MIN_TOKENS tokens takes the chunked SSD (`_ssd_chunked_forward`),
+# SSD_CHUNK tokens a chunk and SSD_BLOCK_P channels of a head a program; fewer tokens (the decoding step), a
+# gradient, float32 (its products would be TF32, or spill: ptxas, 6-38 KB a thread) or torch.compile take the scan.
+# 32 x 32 with 8 warps: 255 registers a thread and no spills for the 8B's 64 x 128 heads on sm_80 and sm_90
+# (ptxas, Triton 3.9; chunks of 64 spill), not yet timed on a GPU.
+SSD_MIN_TOKENS = 16
+SSD_CHUNK = 32
+SSD_BLOCK_P = 32
+SSD_NUM_WARPS = 8
+
+
+_CHUNKED_SSD_FAILED: dict = {}  # dtype: why the chunked SSD failed in it (the scan runs instead, said once)
+
+
+def _ssd_chunked(x, dt, A, B, C, D, h0):
+    """The chunked SSD's launch: arguments and results of `ssd_scan_triton`, no gradient."""
+    batch, seq_len, heads, head_dim = x.shape
+    groups, d_state = B.shape[2:]
+    x, dt, B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dt, B, C))
+    y = torch.empty_like(x)
+    h = x.new_empty(batch, heads, head_dim, d_state, dtype=torch.float32)
+    block_p = min(SSD_BLOCK_P, max(16, triton.next_power_of_2(head_dim)))
+    _ssd_chunked_forward[(batch, heads, triton.cdiv(head_dim, block_p))](
+        x, dt, A.float().contiguous(), B, C, None if D is None else D.float().contiguous(),
+        None if h0 is None else h0.float().contiguous(), y, h,
+        seq_len, heads, head_dim, d_state, heads // groups,
+        *x.stride()[:3], *dt.stride()[:2], *B.stride()[:3], *C.stride()[:3], *y.stride()[:3],
+        HAS_D=D is not None, HAS_H0=h0 is not None, CHUNK=SSD_CHUNK, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(d_state)), num_warps=SSD_NUM_WARPS,
+    )
+    return y, h
+
+
 def ssd_scan_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2's scan on a CUDA tensor (the arguments and results of `ssm_samba.ssd_scan_pytorch`, less the chunk
     size): x (batch, seq, heads, head_dim); dt (batch, seq, heads); A, D (heads,); B, C (batch, seq, groups,
-    d_state); h0 (batch, heads, head_dim, d_state). y in x's dtype, the last state in float32; differentiable."""
+    d_state); h0 (batch, heads, head_dim, d_state). y in x's dtype, the last state in float32; differentiable.
+    Inference on a half-precision prompt takes the chunked SSD; the rest the scan over heads x head_dim channels."""
     batch, seq_len, heads, head_dim = x.shape
     groups, d_state = B.shape[2:]
+    inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                     for t in (x, dt, A, B, C, D, h0)))
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    if (seq_len >= SSD_MIN_TOKENS and half and inference and x.dtype not in _CHUNKED_SSD_FAILED
+            and not torch.compiler.is_compiling()):
+        try:
+            return _ssd_chunked(x, dt, A, B, C, D, h0)
+        except Exception as error:  # e.g. a GPU whose compiler takes no products in this dtype (bf16 before sm_80)
+            _CHUNKED_SSD_FAILED[x.dtype] = f"{type(error).__name__}: {str(error).strip()[:300]}"
+            from transformers.utils import logging
+
+            logging.get_logger(__name__).warning_once(
+                f"samba-hf: the chunked SSD does not run in {x.dtype} here ({_CHUNKED_SSD_FAILED[x.dtype]}); Mamba-2 "
+                "prompts in it take samba-hf's Triton scan instead (slower, the same numbers)")
     layout = _Layout(heads * head_dim, d_state, head_dim=head_dim, groups=groups, a_per_head=True)
     h0 = None if h0 is None else h0.reshape(batch, heads * head_dim, d_state)
     y, h = _run(layout, x.reshape(batch, seq_len, heads * head_dim), dt, A, B, C, D, None, h0)
