@@ -264,7 +264,7 @@ def test_a_chunked_ssd_that_fails_leaves_the_prompt_to_the_scan_said_once(triton
     def refuse(*args, **kwargs):
         raise RuntimeError("no bf16 products on this GPU")
 
-    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_FAILED", {})
+    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_FAILED", set())
     monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", refuse)
     x, dt, A, B, C, D, h0 = ssd_inputs(length=20)
     x, B, C = x.half(), B.half(), C.half()

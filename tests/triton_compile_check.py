@@ -142,10 +142,10 @@ def ssd_variants(t):
     for (name, head_dim, groups, a_per_head, d_inner, d_state), dtype in itertools.product(LAYOUTS, ("bf16", "fp16")):
         if not a_per_head:
             continue
-        block_p = min(t.SSD_BLOCK_P, max(16, triton.next_power_of_2(head_dim)))
+        block_p, block_n = t._ssd_blocks(head_dim, d_state)
         for has_h0 in (False, True):
             constants = dict(HAS_D=True, HAS_H0=has_h0, CHUNK=t.SSD_CHUNK,
-                             BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(d_state)))
+                             BLOCK_P=block_p, BLOCK_N=block_n)
             pointers = dict(x_ptr=dtype, dt_ptr="fp32", A_ptr="fp32", B_ptr=dtype, C_ptr=dtype, D_ptr="fp32",
                             h0_ptr="fp32" if has_h0 else None, y_ptr=dtype, h_ptr="fp32")
             yield t._ssd_chunked_forward, f"chunked SSD {name} {dtype} {constants}", pointers, constants

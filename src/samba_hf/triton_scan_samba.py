@@ -101,6 +101,15 @@ def _first_order(decay_1, state_1, decay_2, state_2):
 
 
 @triton.jit
+def _scan_tile(decay, step, before, TILE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """h after each of a tile's steps h -> decay * h + step, from h = before: (TILE, BLOCK_D, BLOCK_N). decay may be
+    (TILE, BLOCK_D, 1) (Mamba-2's heads); the steps are composed by an associative scan over the tile."""
+    decay = decay + tl.zeros((TILE, BLOCK_D, BLOCK_N), dtype=tl.float32)  # (the scan takes equal shapes)
+    decays, states = tl.associative_scan((decay, step), axis=0, combine_fn=_first_order)
+    return states + decays * before[None, :, :]
+
+
+@triton.jit
 def _last(values, TILE: tl.constexpr):
     """values[TILE - 1] of a (TILE, ...) tile."""
     return tl.sum(tl.where((tl.arange(0, TILE) == TILE - 1)[:, None, None], values, 0.0), axis=0)
@@ -184,9 +193,7 @@ def _scan_forward(
                                  ONE_GROUP)  # (TILE, 1 or BLOCK_D, BLOCK_N)
             C = _load_state_rows(C_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g,
                                  ONE_GROUP)
-            decay = _decays(dt, A, A_PER_HEAD) + tl.zeros((TILE, BLOCK_D, BLOCK_N), dtype=tl.float32)
-            decays, states = tl.associative_scan((decay, (dt * u)[:, :, None] * B), axis=0, combine_fn=_first_order)
-            states += decays * h[None, :, :]  # (TILE, BLOCK_D, BLOCK_N): the state after each token
+            states = _scan_tile(_decays(dt, A, A_PER_HEAD), (dt * u)[:, :, None] * B, h, TILE, BLOCK_D, BLOCK_N)
             h = _last(states, TILE)
             if SEGMENTED:
                 elapsed += tl.sum(dt, axis=0)
@@ -321,9 +328,7 @@ def _scan_backward(
             dt = _load_rows(dt_ptr, b, t, t_ok, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
             B = _load_state_rows(B_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g,
                                  ONE_GROUP)
-            decay = _decays(dt, A, A_PER_HEAD) + tl.zeros((TILE, BLOCK_D, BLOCK_N), dtype=tl.float32)
-            decays, states = tl.associative_scan((decay, (dt * u)[:, :, None] * B), axis=0, combine_fn=_first_order)
-            states += decays * h[None, :, :]
+            states = _scan_tile(_decays(dt, A, A_PER_HEAD), (dt * u)[:, :, None] * B, h, TILE, BLOCK_D, BLOCK_N)
             h = _last(states, TILE)
             tl.store(scratch + (t - start + 1)[:, None, None] * BLOCK_D * BLOCK_N + local[None, :, :], states,
                      mask=t_ok[:, None, None])
@@ -363,9 +368,8 @@ def _scan_backward(
             after = t + 1
             dt_after = _load_rows(dt_ptr, b, after, (after <= last) & (after < end), d, d_ok, stride_dt_b,
                                   stride_dt_t, HEAD_DIM)
-            decay_after = _decays(dt_after, A, A_PER_HEAD) + tl.zeros((TILE, BLOCK_D, BLOCK_N), dtype=tl.float32)
-            decays, carries = tl.associative_scan((decay_after, grad[:, :, None] * C), axis=0, combine_fn=_first_order)
-            carries += decays * carry[None, :, :]  # the gradient of h_t
+            carries = _scan_tile(_decays(dt_after, A, A_PER_HEAD), grad[:, :, None] * C, carry, TILE, BLOCK_D,
+                                 BLOCK_N)  # the gradient of h_t
             decay = _decays(dt, A, A_PER_HEAD)
             from_decay = tl.where(dn_ok[None, :, :], carries * decay * h_before, 0.0)  # d/d(dt A) of decay h_{t-1}
             into_state = tl.where(dn_ok[None, :, :], carries * B, 0.0)
@@ -668,6 +672,11 @@ def _operator():
 _OPERATOR = _operator()
 
 
+def _wants_gradient(*inputs) -> bool:
+    """Whether autograd will want gradients of any of these tensors (None: an absent input)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+
+
 def _run(layout, u, dt, A, B, C, D, z, h0):
     def rows(x):  # contiguous along the last dimension, as the kernels read it
         return None if x is None else (x if x.stride(-1) == 1 else x.contiguous())
@@ -680,7 +689,7 @@ def _run(layout, u, dt, A, B, C, D, z, h0):
     if torch.compiler.is_compiling():
         y, h, _ = _OPERATOR(*inputs, layout.head_dim, layout.groups, layout.a_per_head, torch.is_grad_enabled())
         return y, h
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+    if _wants_gradient(*inputs):
         return _TritonScan.apply(layout, *inputs)
     y, h, _ = _forward(layout, *inputs, keep_checkpoints=False)
     return y, h
@@ -706,7 +715,13 @@ SSD_BLOCK_P = 32
 SSD_NUM_WARPS = 8
 
 
-_CHUNKED_SSD_FAILED: dict = {}  # dtype: why the chunked SSD failed in it (the scan runs instead, said once)
+_CHUNKED_SSD_FAILED: set = set()  # the dtypes the chunked SSD failed in (the scan runs instead, said once)
+
+
+def _ssd_blocks(head_dim: int, d_state: int) -> tuple[int, int]:
+    """The chunked SSD's (BLOCK_P, BLOCK_N): a program's channels of a head, and the states padded to a power of two
+    (at least 16: the products' smallest side)."""
+    return min(SSD_BLOCK_P, max(16, triton.next_power_of_2(head_dim))), max(16, triton.next_power_of_2(d_state))
 
 
 def _ssd_chunked(x, dt, A, B, C, D, h0):
@@ -716,13 +731,14 @@ def _ssd_chunked(x, dt, A, B, C, D, h0):
     x, dt, B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dt, B, C))
     y = torch.empty_like(x)
     h = x.new_empty(batch, heads, head_dim, d_state, dtype=torch.float32)
-    block_p = min(SSD_BLOCK_P, max(16, triton.next_power_of_2(head_dim)))
+    block_p, block_n = _ssd_blocks(head_dim, d_state)
     _ssd_chunked_forward[(batch, heads, triton.cdiv(head_dim, block_p))](
         x, dt, A.float().contiguous(), B, C, None if D is None else D.float().contiguous(),
         None if h0 is None else h0.float().contiguous(), y, h,
         seq_len, heads, head_dim, d_state, heads // groups,
         *x.stride()[:3], *dt.stride()[:2], *B.stride()[:3], *C.stride()[:3], *y.stride()[:3],
-        HAS_D=D is not None, HAS_H0=h0 is not None, CHUNK=SSD_CHUNK, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(d_state)), num_warps=SSD_NUM_WARPS,
+        HAS_D=D is not None, HAS_H0=h0 is not None, CHUNK=SSD_CHUNK, BLOCK_P=block_p, BLOCK_N=block_n,
+        num_warps=SSD_NUM_WARPS,
     )
     return y, h
 
@@ -734,20 +750,19 @@ def ssd_scan_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torc
     Inference on a half-precision prompt takes the chunked SSD; the rest the scan over heads x head_dim channels."""
     batch, seq_len, heads, head_dim = x.shape
     groups, d_state = B.shape[2:]
-    inference = not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                     for t in (x, dt, A, B, C, D, h0)))
     half = x.dtype in (torch.bfloat16, torch.float16)
-    if (seq_len >= SSD_MIN_TOKENS and half and inference and x.dtype not in _CHUNKED_SSD_FAILED
-            and not torch.compiler.is_compiling()):
+    if (seq_len >= SSD_MIN_TOKENS and half and not _wants_gradient(x, dt, A, B, C, D, h0)
+            and x.dtype not in _CHUNKED_SSD_FAILED and not torch.compiler.is_compiling()):
         try:
             return _ssd_chunked(x, dt, A, B, C, D, h0)
         except Exception as error:  # e.g. a GPU whose compiler takes no products in this dtype (bf16 before sm_80)
-            _CHUNKED_SSD_FAILED[x.dtype] = f"{type(error).__name__}: {str(error).strip()[:300]}"
+            _CHUNKED_SSD_FAILED.add(x.dtype)
             from transformers.utils import logging
 
             logging.get_logger(__name__).warning_once(
-                f"samba-hf: the chunked SSD does not run in {x.dtype} here ({_CHUNKED_SSD_FAILED[x.dtype]}); Mamba-2 "
-                "prompts in it take samba-hf's Triton scan instead (slower, the same numbers)")
+                f"samba-hf: the chunked SSD does not run in {x.dtype} here ({type(error).__name__}: "
+                f"{str(error).strip()[:300]}); Mamba-2 prompts in it take samba-hf's Triton scan instead (slower, the "
+                "same numbers)")
     layout = _Layout(heads * head_dim, d_state, head_dim=head_dim, groups=groups, a_per_head=True)
     h0 = None if h0 is None else h0.reshape(batch, heads * head_dim, d_state)
     y, h = _run(layout, x.reshape(batch, seq_len, heads * head_dim), dt, A, B, C, D, None, h0)
