@@ -13,7 +13,8 @@ Models (random weights, bf16; speed does not depend on the weights):
 
 Measured: prefill (one forward, `logits_to_keep=1`, no cache) at --prefill lengths, tokens/s; decode tokens/s at
 --decode contexts, batch 1 and --batch, from a cache filled with random states and keys/values of that context (a
-step's time does not depend on them), eager (the model called step by step, as generate's loop does) and, with
+step's time does not depend on them), eager (the model called step by step, as generate's loop does; Llama and
+NemotronH also with sdpa kept off cuDNN's attention, as samba-hf's models keep it over a cache) and, with
 --graphs, through `generate(cache_implementation="static")` with transformers' compile (CUDA graphs where it compiles)
 at contexts up to --graphs-max-context (each context and batch compiles anew); a training step (forward and backward,
 batch 1) at --train tokens/s; peak GPU memory of each. First, Samba-1.3B's sliding-window attention alone as samba-hf
@@ -32,6 +33,7 @@ On a machine without CUDA it says so in one line and exits 1. --smoke runs the s
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -199,10 +201,17 @@ def eager_decoder(model, context: int, batch: int):
     return run
 
 
-def decode_eager(model, context: int, batch: int, steps: int) -> dict:
-    run = eager_decoder(model, context, batch)
-    with torch.no_grad(), Timer() as t:
-        run(steps)
+def decode_eager(model, context: int, batch: int, steps: int, cudnn: bool = True) -> dict:
+    """cudnn=False: sdpa without cuDNN's attention, which builds a graph for each new key length (what samba-hf's
+    models do over a cache, `modeling_samba.sdpa_backends`); for transformers' models, the baseline that is not
+    slowed by that (docs/speed.md)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    with (contextlib.nullcontext() if cudnn else backends):
+        run = eager_decoder(model, context, batch)
+        with torch.no_grad(), Timer() as t:
+            run(steps)
     return {"tokens_per_s": batch * steps / t.seconds, "ms_per_step": 1000 * t.seconds / steps, "peak_gib": t.peak_gib}
 
 
@@ -345,6 +354,9 @@ def decode_phase(args, name, model, row):
             entry["eager"] = ({"skipped": why} if why
                               else attempt(lambda: decode_eager(model, context, batch, args.steps)))
             report(name, f"decode {context}x{batch} eager", entry["eager"])
+            if name in BASELINES.values() and not skip_reason(args):
+                entry["eager_no_cudnn"] = attempt(lambda: decode_eager(model, context, batch, args.steps, cudnn=False))
+                report(name, f"decode {context}x{batch} eager, sdpa without cuDNN", entry["eager_no_cudnn"])
     if not skip_reason(args):
         row["decode_profile"] = attempt(lambda: decode_profile(model, ints(args.decode)[0]))
 
@@ -698,12 +710,13 @@ def ints(text: str) -> list[int]:
 
 # What each model's prefill is compared with in --table: the same shape (Samba, Llama) or the same layout.
 BASELINES = {"Samba-1.3B": "Llama-1.3B", "Mamba-2-Hybrid": "NemotronH"}
+DECODE_MODES = ("eager", "eager_no_cudnn", "graphs")  # a decode cell: "eager / eager, sdpa without cuDNN / graphs"
 
 
 def table(paths: list[str]) -> str:
     """The runs as Markdown for docs/speed-history.md, in the paper's Table 4 spirit: per run and model, prefill tokens/s at
     each length (Samba's ratio to the same run's Llama, the Mamba-2-Hybrid's to NemotronH), decode tokens/s per
-    context x batch (eager / graphs), the
+    context x batch (eager / eager with sdpa kept off cuDNN, for transformers' models / graphs), the
     training step's tokens/s; each run's label, device and date on its heading."""
     def cell(entry, key="tokens_per_s"):
         if not isinstance(entry, dict):
@@ -736,7 +749,7 @@ def table(paths: list[str]) -> str:
                 if "tokens_per_s" in (entry or {}) and "tokens_per_s" in base:
                     ratio = f" ({entry['tokens_per_s'] / base['tokens_per_s']:.2f}x)"
                 prefill.append(cell(entry) + ratio)
-            decode = [" / ".join(cell(row["decode"].get(k, {}).get(mode)) for mode in ("eager", "graphs"))
+            decode = [" / ".join(cell(row["decode"].get(k, {}).get(mode)) for mode in DECODE_MODES)
                       for k in contexts]
             train = [cell(row["train"].get(str(n))) for n in trained]
             lines.append(f"| {name} | " + " | ".join(prefill + decode + train) + " |")

@@ -162,6 +162,9 @@ def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
                     *(mode for entry in row["decode"].values() for mode in entry.values())]
         assert all(m.get("tokens_per_s", 0) > 0 for m in measured), (name, measured)
         assert "graphs" in row["decode"]["24x2"] and "graphs" not in row["decode"]["40x1"]  # --graphs-max-context
+        # transformers' models are also timed with sdpa kept off cuDNN (as samba-hf's are over a cache)
+        assert all(("eager_no_cudnn" in entry) == (name in ("Llama-1.3B", "NemotronH"))
+                   for entry in row["decode"].values()), name
         assert row["decode_profile"]["ops_per_step"] > 10 and row["decode_profile"]["ms_per_step_cpu_by_op"], name
     shown = subprocess.run([sys.executable, str(GPU), "--table", str(out)], capture_output=True, text=True,
                            timeout=300)

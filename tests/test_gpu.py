@@ -305,6 +305,51 @@ def test_samba_hfs_chunked_ssd_matches_float64_on_a_prompt(triton_scans_only, mo
 
 
 @pytest.mark.parametrize("kind", ["samba", "mamba2"])
+def test_an_eager_decoding_step_neither_synchronises_nor_builds_cudnn_graphs(kind):
+    """On an H100 (2026-11-26) samba-hf's eager decoding steps synchronised with the GPU once each (the input
+    checks read the ids back) and attended through cuDNN, which builds a graph for every new key length: Samba-1.3B
+    stepped in 62 ms at 1K of context, its window still growing, and 16 ms at 64K. Now a step reads nothing back
+    and keeps sdpa off cuDNN over the cache; where torch itself would take cuDNN for these shapes, that is checked
+    too. bf16, heads of 64 (cuDNN's sizes), the keys growing at every step; the tokens are the same either way."""
+    from torch.nn.functional import scaled_dot_product_attention
+    from torch.profiler import ProfilerActivity, profile
+
+    from test_mamba2 import tiny_mamba2
+
+    shapes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  sliding_window=64)
+    model = (tiny_model(seed=6, **shapes) if kind == "samba" else tiny_mamba2("megatron", seed=6, **shapes))
+    model = model.cuda().to(torch.bfloat16)
+    ids = torch.randint(3, 97, (1, 12), device="cuda")
+
+    def traced(fn):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            out = fn()
+        return out, [event.name for event in trace.events()]
+
+    with torch.no_grad():
+        cache = returned_cache(model(ids, use_cache=True))
+        token = ids[:, -1:]
+        for _ in range(2):  # first calls: the kernels' load-time checks
+            token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+        def steps():
+            nonlocal token
+            for _ in range(3):
+                token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            return token
+
+        _, names = traced(steps)
+        q = torch.randn(1, 4, 1, 64, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(1, 2, 17, 64, device="cuda", dtype=torch.bfloat16)
+        _, alone = traced(lambda: scaled_dot_product_attention(q, kv, kv, enable_gqa=True))
+    assert not [name for name in names if "Synchronize" in name or "local_scalar_dense" in name]
+    assert not [name for name in names if "cudnn_attention" in name], "cuDNN's attention ran over the cache"
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # left as it was
+    print(f"torch alone takes cuDNN for a step's shapes: {any('cudnn_attention' in name for name in alone)}")
+
+
+@pytest.mark.parametrize("kind", ["samba", "mamba2"])
 def test_decoding_in_cuda_graphs_gives_the_eager_tokens(kind):
     """generate with transformers' switches (a static cache, compile_config; its default mode on a GPU replays the
     compiled step as a CUDA graph, which needs the Mamba states and the window written in place): the eager tokens, in

@@ -310,3 +310,26 @@ def test_inputs_embeds_of_an_integer_dtype(model, ids):
     with raises(r"got dtype torch.int32"):
         model.generate(inputs_embeds=embeds.int(), max_new_tokens=2, do_sample=False)
     model(inputs_embeds=embeds.float())
+
+
+def test_a_decoding_step_on_a_gpu_reads_no_values(model, ids):
+    """The id and mask checks read values back to the host: on a CPU always; on a GPU (here a `meta` tensor, which
+    is not on the CPU either) the prompt's are read but not a decoding step's, one token per sequence over a filled
+    cache, where the read would wait for the GPU at every step (tests/test_gpu.py counts the synchronisations)."""
+    cache = filled_cache(model, ids)
+    step, prompt = ids[:, :1], ids
+    check = model.model._reads_values
+    assert check(step, cache) and check(prompt, cache) and check(prompt, None)  # CPU: always
+    gpu_step, gpu_prompt = step.to("meta"), prompt.to("meta")
+    assert not check(gpu_step, cache)
+    assert check(gpu_prompt, cache) and check(gpu_prompt, None) and check(gpu_step, None)
+    assert check(gpu_step, DynamicCache(config=model.config))  # a one-token prompt into an empty cache
+    # and on a CPU the step's ids and mask are still checked
+    bad = step.clone()
+    bad[0, 0] = 97
+    with raises(r"input_ids holds ids from \d+ to 97, but the vocabulary has 97 entries"):
+        model(bad, past_key_values=cache, use_cache=True)
+    mask = torch.ones(2, ids.shape[1] + 1, dtype=torch.long)
+    mask[1, 0] = 2
+    with raises(r"attention_mask must hold only 1 \(token\) and 0 \(padding\).*holds 2"):
+        model(step, past_key_values=cache, attention_mask=mask, use_cache=True)

@@ -282,6 +282,34 @@ def test_no_block_mask_is_built_past_the_recompile_limit(monkeypatch, caplog):
     assert len(said) == 1 and "block-wise" in said[0]
 
 
+def test_sdpa_over_a_cache_on_a_gpu_leaves_cudnn_out():
+    """cuDNN's attention builds and keeps a graph for every new key length, so a step over a growing cache would
+    build one per layer per step: on a GPU a call with fewer queries than keys runs with every other enabled sdpa
+    backend, and leaving restores the choice before. (Decided before anything touches the device: this runs without
+    one; tests/test_gpu.py profiles real decoding steps.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from samba_hf.modeling_samba import sdpa_backends
+
+    cuda, gpu = torch.backends.cuda, torch.device("cuda")
+    enabled = lambda: (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+                       cuda.math_sdp_enabled())
+    before = enabled()
+    with sdpa_backends(gpu, 1, 300):
+        assert enabled() == (False, True, True, True)
+    assert enabled() == before
+    for device, queries, keys in ((gpu, 300, 300), (torch.device("cpu"), 1, 300)):  # a prompt; a CPU
+        with sdpa_backends(device, queries, keys):
+            assert enabled() == before
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):  # a user's choice: others kept off
+        with sdpa_backends(gpu, 1, 300):
+            assert enabled() == (False, True, False, False)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):  # cuDNN chosen over the fast ones: it stays
+        with sdpa_backends(gpu, 1, 300):
+            assert enabled() == (True, False, False, True)
+    assert enabled() == before
+
+
 def test_a_model_through_flex_sliding_attention_equals_the_blockwise_path(monkeypatch):
     """Where flex_attention is chosen (a GPU), a long prompt, a padded batch and a cached continuation give what the
     block-wise path gives, and flex_attention ran for every sliding layer. (Its backward runs on a GPU only:

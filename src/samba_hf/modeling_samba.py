@@ -15,6 +15,7 @@ place).
 This file is also the remote code of a saved model: it imports only torch, transformers and its siblings.
 """
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask
 
 from transformers import initialization as init
@@ -502,6 +504,27 @@ def flex_attention_works(device: torch.device, dtype: torch.dtype, config) -> bo
 BLOCKWISE_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
+def sdpa_backends(device: torch.device, queries: int, keys: int):
+    """The sdpa backends an attention call of `queries` queries over `keys` keys runs with: on a GPU, for fewer
+    queries than keys (a step over a cache, whose keys grow by a token each step) and outside torch.compile, all
+    that are enabled but cuDNN's; otherwise sdpa's own choice. torch's sdpa takes cuDNN's attention first where it
+    can (on an H100 with torch 2.11, for a single query too: the decoding profile of 2026-11-26), and cuDNN builds
+    a graph for every new shape and keeps it (ATen's `cudnn/MHA.cpp` keys its graphs by the key length and the
+    strides, without a bound): a cache growing by one token would build one graph per attention layer at every
+    step and keep them all. Flash and memory-efficient attention have no cost per shape. Where a user has left sdpa
+    no other GPU backend, their choice stands. A context manager (torch's `sdpa_kernel`, which restores the
+    previous choice on leaving)."""
+    cuda = torch.backends.cuda
+    if device.type != "cuda" or queries >= keys or torch.compiler.is_compiling() or not cuda.cudnn_sdp_enabled():
+        return contextlib.nullcontext()
+    others = [backend for backend, enabled in ((SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
+                                               (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
+                                               (SDPBackend.MATH, cuda.math_sdp_enabled())) if enabled]
+    if SDPBackend.MATH in others and len(others) == 1:  # flash and memory-efficient off: the user chose cuDNN
+        return contextlib.nullcontext()
+    return sdpa_kernel(others)
+
+
 class SambaAttention(nn.Module):
     """Multi-head (GQA-capable) causal attention with RoPE; sliding-window for "sliding_attention" layers."""
 
@@ -569,17 +592,18 @@ class SambaAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,  # flash-attention reads the window from here, the others from the mask
-            **kwargs,
-        )
+        with sdpa_backends(query_states.device, query_states.shape[2], key_states.shape[2]):
+            attn_output, attn_weights = attention_interface(
+                self,
+                query_states,
+                key_states,
+                value_states,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                sliding_window=self.sliding_window,  # flash-attention reads the window here, the others from the mask
+                **kwargs,
+            )
         if dtype is not None:
             attn_output = attn_output.to(dtype)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
@@ -1128,7 +1152,9 @@ class SambaModel(SambaPreTrainedModel):
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_key_values):
         """Raise a ValueError that names the problem and the fix for inputs that would otherwise fail deep in torch
-        or silently change the result. Cheap: shapes, and one look at the ids and at a 2D mask (small tensors)."""
+        or silently change the result. Cheap: shapes, and one look at the ids and at a 2D mask (small tensors);
+        except in a decoding step on a GPU, where that look would stop the host until the GPU had caught up
+        (`_reads_values`)."""
         if input_ids is not None:
             if input_ids.ndim != 2 or 0 in input_ids.shape:
                 raise ValueError(
@@ -1138,6 +1164,9 @@ class SambaModel(SambaPreTrainedModel):
                 )
             if input_ids.dtype not in (torch.long, torch.int):
                 raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}: use `.long()`.")
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        reads_values = self._reads_values(tokens, past_key_values)
+        if input_ids is not None and reads_values:
             low, high = torch.stack(torch.aminmax(input_ids)).tolist()
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(
@@ -1159,7 +1188,17 @@ class SambaModel(SambaPreTrainedModel):
         if past_key_values is not None:
             self._check_cache(past_key_values, batch)
         if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 4:  # 4D masks are taken as they are
-            self._check_attention_mask(attention_mask, batch, length, past_key_values)
+            self._check_attention_mask(attention_mask, batch, length, past_key_values, reads_values)
+
+    def _reads_values(self, tokens: torch.Tensor, past_key_values: Cache | None) -> bool:
+        """Whether the checks may look at the ids' and the mask's values: always on a CPU; on a GPU, not in a
+        decoding step (one token per sequence after cached ones), where reading a value back waits for the GPU to
+        finish the step before and so stops the host running ahead (on an H100, 2026-11-26, samba-hf's decoding
+        steps synchronised once each, transformers' models' not at all). A step's ids come from the model's own
+        logits, and the prompt's were checked."""
+        if tokens.device.type == "cpu" or tokens.shape[1] != 1 or past_key_values is None:
+            return True
+        return self._past_length(past_key_values) == 0  # a one-token prompt into an empty cache is still checked
 
     def _check_cache(self, cache, batch: int):
         """`past_key_values` must have been built for this model (same layers, same kinds, same widths) and batch.
@@ -1210,9 +1249,9 @@ class SambaModel(SambaPreTrainedModel):
                     f"{shape[1]}, this model's are {widths}: {fix}."
                 )
 
-    def _check_attention_mask(self, mask: torch.Tensor, batch: int, length: int, past_key_values):
+    def _check_attention_mask(self, mask: torch.Tensor, batch: int, length: int, past_key_values, reads_values=True):
         """A 2D mask has one row per sequence and one column per token, the cached ones included (as generate
-        builds it), and holds 1 for tokens, 0 for padding (or True/False)."""
+        builds it), and holds 1 for tokens, 0 for padding (or True/False; the values where `reads_values`)."""
         past = self._past_length(past_key_values)
         if mask.ndim != 2 or mask.shape[0] != batch or (
             mask.shape[1] < length if past is None else mask.shape[1] != past + length
@@ -1223,7 +1262,7 @@ class SambaModel(SambaPreTrainedModel):
                 f"attention_mask has shape {tuple(mask.shape)}, expected {expected}: one row per sequence and one "
                 f"column per token{cached} (1 for tokens, 0 for padding); or pass a 4D mask."
             )
-        if mask.dtype != torch.bool and bool((other := (mask != 0) & (mask != 1)).any()):
+        if reads_values and mask.dtype != torch.bool and bool((other := (mask != 0) & (mask != 1)).any()):
             raise ValueError(
                 f"attention_mask must hold only 1 (token) and 0 (padding), or be a bool mask; it holds "
                 f"{mask[other][0].item()}: convert it with `(attention_mask > 0).long()` if it marks tokens with "

@@ -44,6 +44,7 @@ from .modeling_samba import (
     SambaPreTrainedModel,
     SambaRMSNorm,
     eager_attention_forward,
+    sdpa_backends,
     window_slack,
 )
 
@@ -87,7 +88,8 @@ class SambaYDifferentialAttention(nn.Module):
         implementation = self.config._attn_implementation
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         if implementation in ("eager", "sdpa"):
-            return attention(self, query, key, values, attention_mask, **options)
+            with sdpa_backends(query.device, query.shape[2], key.shape[2]):
+                return attention(self, query, key, values, attention_mask, **options)
         halves = [attention(self, query, key, half.contiguous(), attention_mask, **options)
                   for half in values.chunk(2, dim=-1)]
         return torch.cat([out for out, _ in halves], dim=-1), halves[0][1]
