@@ -299,7 +299,8 @@ def test_samba_hfs_chunked_ssd_matches_float64_on_a_prompt(triton_scans_only, mo
         y, h = ssm_samba.ssd_scan(x, dt, A, B, C, D, h0)
     y_ref, h_ref = float64_ssd(*(t.cpu() for t in (x, dt, A, B, C, D, h0)))
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-2  # products of 8 and of 11 bits
-    assert calls == [L] and y.dtype == dtype
+    # (the first prompt in a dtype runs the load-time check first: a small problem through both paths)
+    assert calls[-1] == L and dtype in triton_scan_samba._CHUNKED_SSD_CHECKED and y.dtype == dtype
     assert (y.cpu().double() - y_ref).abs().max() <= tol * y_ref.abs().max()
     assert (h.cpu().double() - h_ref).abs().max() <= tol * h_ref.abs().max()
 

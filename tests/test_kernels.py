@@ -206,9 +206,12 @@ def test_samba_hfs_triton_ssd_equals_float64_with_its_gradients(triton_only, len
 
 
 def counted_chunked_ssd(monkeypatch) -> list:
-    """Count the chunked SSD's launches (`triton_scan_samba._ssd_chunked`): one entry per call, its x's length."""
+    """Count the chunked SSD's launches (`triton_scan_samba._ssd_chunked`): one entry per call, its x's length. Its
+    check on a dtype's first prompt is taken as passed (its own test is below), so that only the calls made for the
+    inputs are counted."""
     from samba_hf import triton_scan_samba
 
+    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_CHECKED", {torch.float16, torch.bfloat16})
     calls, real = [], triton_scan_samba._ssd_chunked
     monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest))
     return calls
@@ -274,6 +277,42 @@ def test_a_chunked_ssd_that_fails_leaves_the_prompt_to_the_scan_said_once(triton
     assert len(said) == 1 and "no bf16 products on this GPU" in said[0] and "Triton scan instead" in said[0]
     y_ref, h_ref = float64_ssd(x, dt, A, B, C, D, h0)
     for y, h in results:
+        assert (y.double() - y_ref).abs().max() <= 2e-3 * y_ref.abs().max()
+        assert_close(h, h_ref, 1e-5)
+
+
+def test_the_chunked_ssd_is_checked_once_per_dtype_and_left_out_where_it_is_wrong(triton_only, monkeypatch, caplog):
+    """Before its first prompt in a dtype the chunked SSD runs a small problem against the scan, once: a correct one
+    (float16, under the interpreter) passes and serves; one that gives other numbers (a GPU or Triton release
+    compiling it wrongly: here its results scaled) is left out, said once, and the scan serves with its numbers."""
+    from samba_hf import triton_scan_samba
+
+    x, dt, A, B, C, D, h0 = ssd_inputs(length=20)
+    x, B, C = x.half(), B.half(), C.half()
+    y_ref, h_ref = float64_ssd(x, dt, A, B, C, D, h0)
+    for checked, failed in (([], []), ([torch.float16], [])):
+        monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_CHECKED", set(checked))
+        monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_FAILED", set(failed))
+        calls = []
+        real = triton_scan_samba._ssd_chunked
+        monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest))
+        with torch.no_grad():
+            y, h = ssm_samba.ssd_scan(x, dt, A, B, C, D, h0)
+        monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", real)
+        check = 2 * triton_scan_samba.SSD_CHUNK + 5
+        assert calls == ([check, 20] if not checked else [20]), calls  # the check on the first prompt only
+        assert triton_scan_samba._CHUNKED_SSD_CHECKED == {torch.float16} and not triton_scan_samba._CHUNKED_SSD_FAILED
+        assert (y.double() - y_ref).abs().max() <= 2e-3 * y_ref.abs().max()
+
+    real = triton_scan_samba._ssd_chunked
+    monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda *args: tuple(t * 1.5 for t in real(*args)))
+    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_CHECKED", set())
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        results = [ssm_samba.ssd_scan(x, dt, A, B, C, D, h0) for _ in range(2)]
+    said = [r.getMessage() for r in caplog.records if "chunked SSD does not run" in r.getMessage()]
+    assert len(said) == 1 and "other numbers than the scan" in said[0], said
+    assert triton_scan_samba._CHUNKED_SSD_FAILED == {torch.float16}
+    for y, h in results:  # the scan's numbers, not the wrong kernel's
         assert (y.double() - y_ref).abs().max() <= 2e-3 * y_ref.abs().max()
         assert_close(h, h_ref, 1e-5)
 

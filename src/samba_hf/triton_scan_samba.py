@@ -716,6 +716,7 @@ SSD_NUM_WARPS = 8
 
 
 _CHUNKED_SSD_FAILED: set = set()  # the dtypes the chunked SSD failed in (the scan runs instead, said once)
+_CHUNKED_SSD_CHECKED: set = set()  # the dtypes it passed `_check_chunked_ssd` in, in this process
 
 
 def _ssd_blocks(head_dim: int, d_state: int) -> tuple[int, int]:
@@ -743,19 +744,56 @@ def _ssd_chunked(x, dt, A, B, C, D, h0):
     return y, h
 
 
+def _check_chunked_ssd(dtype: torch.dtype, device: torch.device):
+    """Before the chunked SSD's first prompt in a dtype: a small problem (two chunks and a part, from a state, two
+    groups of two heads) through it and through the scan, which multiplies no matrices. Where a GPU or a Triton
+    release compiles it wrongly, raises a RuntimeError saying so (and the scan serves, said once), as the scan and
+    the conv are checked when they load (`ssm_samba._check_scan`)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    batch, length, heads, head_dim, groups, d_state = 1, 2 * SSD_CHUNK + 5, 4, 8, 2, 16
+
+    def rand(*shape):
+        return torch.rand(*shape, device=device, generator=g)
+
+    x, B, C = ((rand(*shape) - 0.5).to(dtype) for shape in ((batch, length, heads, head_dim),
+                                                             (batch, length, groups, d_state),
+                                                             (batch, length, groups, d_state)))
+    dt, A, D = rand(batch, length, heads) * 0.5, -rand(heads) - 0.1, rand(heads)
+    h0 = rand(batch, heads, head_dim, d_state)
+    results = zip(_ssd_chunked(x, dt, A, B, C, D, h0), _ssd_scan(x, dt, A, B, C, D, h0))
+    tolerance = 6e-2 if dtype == torch.bfloat16 else 1e-2  # products of 8 / 11 bits; a wrong kernel is off by far more
+    if not all((got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max() for got, want in results):
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        raise RuntimeError(f"it gives other numbers than the scan on {where}")
+
+
+def _ssd_scan(x, dt, A, B, C, D, h0):
+    """Mamba-2's scan as the selective scan over heads x head_dim channels: arguments and results of
+    `ssd_scan_triton`."""
+    batch, seq_len, heads, head_dim = x.shape
+    groups, d_state = B.shape[2:]
+    layout = _Layout(heads * head_dim, d_state, head_dim=head_dim, groups=groups, a_per_head=True)
+    h0 = None if h0 is None else h0.reshape(batch, heads * head_dim, d_state)
+    y, h = _run(layout, x.reshape(batch, seq_len, heads * head_dim), dt, A, B, C, D, None, h0)
+    return y.view(x.shape), h.view(batch, heads, head_dim, d_state)
+
+
 def ssd_scan_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2's scan on a CUDA tensor (the arguments and results of `ssm_samba.ssd_scan_pytorch`, less the chunk
     size): x (batch, seq, heads, head_dim); dt (batch, seq, heads); A, D (heads,); B, C (batch, seq, groups,
     d_state); h0 (batch, heads, head_dim, d_state). y in x's dtype, the last state in float32; differentiable.
-    Inference on a half-precision prompt takes the chunked SSD; the rest the scan over heads x head_dim channels."""
-    batch, seq_len, heads, head_dim = x.shape
-    groups, d_state = B.shape[2:]
+    Inference on a half-precision prompt takes the chunked SSD (checked once per dtype first,
+    `_check_chunked_ssd`); the rest the scan over heads x head_dim channels."""
     half = x.dtype in (torch.bfloat16, torch.float16)
-    if (seq_len >= SSD_MIN_TOKENS and half and not _wants_gradient(x, dt, A, B, C, D, h0)
+    if (x.shape[1] >= SSD_MIN_TOKENS and half and not _wants_gradient(x, dt, A, B, C, D, h0)
             and x.dtype not in _CHUNKED_SSD_FAILED and not torch.compiler.is_compiling()):
         try:
+            if x.dtype not in _CHUNKED_SSD_CHECKED:
+                _check_chunked_ssd(x.dtype, x.device)
+                _CHUNKED_SSD_CHECKED.add(x.dtype)
             return _ssd_chunked(x, dt, A, B, C, D, h0)
-        except Exception as error:  # e.g. a GPU whose compiler takes no products in this dtype (bf16 before sm_80)
+        except Exception as error:  # a GPU whose compiler takes no products in this dtype (bf16 before sm_80), or
+            # compiles them wrongly
             _CHUNKED_SSD_FAILED.add(x.dtype)
             from transformers.utils import logging
 
@@ -763,7 +801,4 @@ def ssd_scan_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torc
                 f"samba-hf: the chunked SSD does not run in {x.dtype} here ({type(error).__name__}: "
                 f"{str(error).strip()[:300]}); Mamba-2 prompts in it take samba-hf's Triton scan instead (slower, the "
                 "same numbers)")
-    layout = _Layout(heads * head_dim, d_state, head_dim=head_dim, groups=groups, a_per_head=True)
-    h0 = None if h0 is None else h0.reshape(batch, heads * head_dim, d_state)
-    y, h = _run(layout, x.reshape(batch, seq_len, heads * head_dim), dt, A, B, C, D, None, h0)
-    return y.view(x.shape), h.view(batch, heads, head_dim, d_state)
+    return _ssd_scan(x, dt, A, B, C, D, h0)
