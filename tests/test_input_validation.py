@@ -333,3 +333,44 @@ def test_a_decoding_step_on_a_gpu_reads_no_values(model, ids):
     mask[1, 0] = 2
     with raises(r"attention_mask must hold only 1 \(token\) and 0 \(padding\).*holds 2"):
         model(step, past_key_values=cache, attention_mask=mask, use_cache=True)
+
+
+@pytest.mark.parametrize("layout", ["samba", "mamba2"])
+def test_a_decoding_step_without_value_reads_runs_and_reads_nothing_back(monkeypatch, layout):
+    """With the value reads off, as in a decoding step on a GPU, a step (with generate's 2D mask, and without) gives
+    the logits it gives on a CPU, and nothing of samba-hf's in it reads a tensor's value back to the host (`item`,
+    `bool`, `tolist`): each would be a synchronisation per step on a GPU. (transformers' causal-mask builder reads
+    whether a 2D mask is all ones, for a full-attention layer, as it does for its own models.)"""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from test_mamba2 import tiny_mamba2
+
+    model = tiny_model(seed=2) if layout == "samba" else tiny_mamba2("megatron", seed=2)
+    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(2))
+    reads = []
+
+    class ValueReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default) and not any(
+                    "masking_utils" in frame.filename for frame in traceback.extract_stack()):
+                reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def step(mask):
+        cache = filled_cache(model, ids[:, :11])
+        with torch.no_grad():
+            return model(ids[:, 11:], past_key_values=cache, attention_mask=mask, use_cache=True).logits
+
+    for mask in (None, torch.ones(2, 12, dtype=torch.long)):
+        expected = step(mask)
+        with monkeypatch.context() as patch:
+            patch.setattr(type(model.model), "_reads_values", lambda self, tokens, cache: False)
+            tolist = torch.Tensor.tolist
+            patch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t))
+            cache = filled_cache(model, ids[:, :11])
+            with ValueReads(), torch.no_grad():
+                got = model(ids[:, 11:], past_key_values=cache, attention_mask=mask, use_cache=True).logits
+        assert reads == [], reads
+        torch.testing.assert_close(got, expected)

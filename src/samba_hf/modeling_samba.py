@@ -1164,16 +1164,6 @@ class SambaModel(SambaPreTrainedModel):
                 )
             if input_ids.dtype not in (torch.long, torch.int):
                 raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}: use `.long()`.")
-        tokens = input_ids if input_ids is not None else inputs_embeds
-        reads_values = self._reads_values(tokens, past_key_values)
-        if input_ids is not None and reads_values:
-            low, high = torch.stack(torch.aminmax(input_ids)).tolist()
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(
-                    f"input_ids holds ids from {low} to {high}, but the vocabulary has {self.config.vocab_size} "
-                    f"entries (ids 0..{self.config.vocab_size - 1}): the tokenizer does not match this model, or "
-                    "padding/label values (-100) were passed as ids; resize the embeddings if tokens were added."
-                )
         elif inputs_embeds.ndim != 3 or 0 in inputs_embeds.shape[:2]:
             raise ValueError(
                 f"inputs_embeds must have shape (batch, seq, hidden_size) with batch >= 1 and seq >= 1, got "
@@ -1184,7 +1174,17 @@ class SambaModel(SambaPreTrainedModel):
                 f"inputs_embeds must be floating point (embedding vectors), got dtype {inputs_embeds.dtype}: pass "
                 f"token ids as `input_ids`, or convert the vectors with `.to(model.dtype)`."
             )
-        batch, length = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        reads_values = self._reads_values(tokens, past_key_values)
+        if input_ids is not None and reads_values:
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(
+                    f"input_ids holds ids from {low} to {high}, but the vocabulary has {self.config.vocab_size} "
+                    f"entries (ids 0..{self.config.vocab_size - 1}): the tokenizer does not match this model, or "
+                    "padding/label values (-100) were passed as ids; resize the embeddings if tokens were added."
+                )
+        batch, length = tokens.shape[:2]
         if past_key_values is not None:
             self._check_cache(past_key_values, batch)
         if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 4:  # 4D masks are taken as they are
