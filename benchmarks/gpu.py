@@ -358,7 +358,10 @@ def decode_phase(args, name, model, row):
                 entry["eager_no_cudnn"] = attempt(lambda: decode_eager(model, context, batch, args.steps, cudnn=False))
                 report(name, f"decode {context}x{batch} eager, sdpa without cuDNN", entry["eager_no_cudnn"])
     if not skip_reason(args):
-        row["decode_profile"] = attempt(lambda: decode_profile(model, ints(args.decode)[0]))
+        # at key lengths no timed step had: the H100 run of 2026-11-26 profiled lengths its timed steps had made
+        # (cuDNN's graphs for them built already), and its profile missed what the timed steps paid
+        # (a timed decode's steps reach context + 2 + steps)
+        row["decode_profile"] = attempt(lambda: decode_profile(model, ints(args.decode)[0] + args.steps + 2))
 
 
 def decode_profile(model, context: int, steps: int = 3) -> dict:
@@ -368,7 +371,7 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
     the same steps with sdpa kept off cuDNN; and Python's own profile (cProfile) of the steps, by time inside each
     function. On the H100 (2026-11-26) eager steps took 47-74 ms where the operators' host and device time came to a
     few ms (Samba at 1K, Llama, samba-hf's Mamba-2-Hybrid; NemotronH 8 ms, Samba at 64K 16 ms): these say where the
-    rest goes."""
+    rest goes. Every step here has a key length of its own, as a timed step does."""
     import cProfile
     import pstats
 
