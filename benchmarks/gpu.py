@@ -16,7 +16,8 @@ Measured: prefill (one forward, `logits_to_keep=1`, no cache) at --prefill lengt
 step's time does not depend on them), eager (the model called step by step, as generate's loop does; Llama and
 NemotronH also with sdpa kept off cuDNN's attention, as samba-hf's models keep it over a cache) and, with
 --graphs, through `generate(cache_implementation="static")` with transformers' compile (CUDA graphs where it compiles)
-at contexts up to --graphs-max-context (each context and batch compiles anew); a training step (forward and backward,
+at contexts up to --graphs-max-context (each context and batch compiles anew), with the compiled step's own device
+time (`forward_ms`) beside the time to read the weights once (`weights_read`); a training step (forward and backward,
 batch 1) at --train tokens/s; peak GPU memory of each. First, Samba-1.3B's sliding-window attention alone as samba-hf
 computes it without flash-attn (block by block through sdpa) against sdpa over the full causal prompt and, on CUDA,
 flex_attention with a sliding block mask, up to 32K: linear time, and the speed per key attended; and the Mamba conv
@@ -217,8 +218,32 @@ def decode_eager(model, context: int, batch: int, steps: int, cudnn: bool = True
 
 def decode_graphs(model, context: int, batch: int, steps: int) -> dict:
     """Through generate with a static cache, which transformers compiles on CUDA (CUDA graphs, "reduce-overhead");
-    the step time from a logits processor's timestamps, after two warm-up steps."""
+    the step time from a logits processor's timestamps, after two warm-up steps (generate's own work between steps
+    included); and the compiled step's own time, "forward_ms": on a GPU between two events recorded around each call
+    of the compiled forward (the replay's device time, #32's "a step within 2x of the time to read the weights
+    once", against `weights_read`), the median after two warm-up steps; None where generate did not compile."""
     from transformers import LogitsProcessor, LogitsProcessorList
+
+    calls = []  # each compiled call's (start, end) CUDA events, or its ms on a CPU
+    get_compiled_call = model.get_compiled_call
+
+    def timed_compiled_call(compile_config):
+        compiled = get_compiled_call(compile_config)
+
+        def call(*args, **kwargs):
+            if not torch.cuda.is_available():
+                begun = time.perf_counter()
+                out = compiled(*args, **kwargs)
+                calls.append(1000 * (time.perf_counter() - begun))
+                return out
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = compiled(*args, **kwargs)
+            end.record()
+            calls.append((start, end))
+            return out
+
+        return call
 
     class Stamps(LogitsProcessor):
         def __init__(self):
@@ -232,13 +257,34 @@ def decode_graphs(model, context: int, batch: int, steps: int) -> dict:
 
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=model.device)
     stamps = Stamps()
-    with Timer() as t:
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 3, min_new_tokens=steps + 3,
-                       do_sample=False, cache_implementation="static", logits_processor=LogitsProcessorList([stamps]),
-                       pad_token_id=0)
+    model.get_compiled_call = timed_compiled_call  # (generate asks for the compiled forward once per call)
+    try:
+        with Timer() as t:
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 3,
+                           min_new_tokens=steps + 3, do_sample=False, cache_implementation="static",
+                           logits_processor=LogitsProcessorList([stamps]), pad_token_id=0)
+    finally:
+        del model.get_compiled_call  # the class's method again
     step = (stamps.times[-1] - stamps.times[2]) / (len(stamps.times) - 3)  # after the prompt and two warm-up steps
+    own = sorted(call if isinstance(call, float) else call[0].elapsed_time(call[1]) for call in calls[2:])
     return {"tokens_per_s": batch / step, "ms_per_step": 1000 * step, "peak_gib": t.peak_gib,
-            "compiled": getattr(model, "_compiled_call", None) is not None}
+            "compiled": getattr(model, "_compiled_call", None) is not None,
+            "forward_ms": own[len(own) // 2] if own else None}
+
+
+def weights_read(model) -> dict:
+    """How long reading the model's weights once takes here: their bytes over the memory bandwidth a large copy
+    reaches (bytes read and written), #32's yardstick for a decoding step in CUDA graphs."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffer = torch.empty(2**28 if model.device.type == "cuda" else 2**22, device=model.device)  # 1 GiB; 16 MiB
+    copy = torch.empty_like(buffer)
+    copy.copy_(buffer)
+    with Timer() as t:
+        for _ in range(5):
+            copy.copy_(buffer)
+    bandwidth = 5 * 2 * buffer.numel() * buffer.element_size() / t.seconds
+    return {"weights_gib": weight_bytes / 2**30, "copy_gb_per_s": bandwidth / 1e9,
+            "weights_read_ms": 1000 * weight_bytes / bandwidth}
 
 
 def train_step(model, length: int) -> dict:
@@ -432,6 +478,9 @@ def graphs_phase(args, name, model, row):
             if context > args.graphs_max_context or skip_reason(args):
                 continue
             entry = row["decode"].setdefault(f"{context}x{batch}", {})
+            if "weights_read" not in row:
+                row["weights_read"] = attempt(lambda: weights_read(model))
+                report(name, "weights read once", row["weights_read"])
             entry["graphs"] = attempt(lambda: decode_graphs(model, context, batch, args.steps))
             report(name, f"decode {context}x{batch} graphs", entry["graphs"])
             if "error" in entry["graphs"]:

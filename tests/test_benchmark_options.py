@@ -162,6 +162,10 @@ def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
                     *(mode for entry in row["decode"].values() for mode in entry.values())]
         assert all(m.get("tokens_per_s", 0) > 0 for m in measured), (name, measured)
         assert "graphs" in row["decode"]["24x2"] and "graphs" not in row["decode"]["40x1"]  # --graphs-max-context
+        # the compiled step's own time where generate compiled it, and the yardstick: the weights read once
+        graphs = row["decode"]["24x2"]["graphs"]
+        assert (graphs["forward_ms"] > 0) if graphs["compiled"] else graphs["forward_ms"] is None, (name, graphs)
+        assert 0 < row["weights_read"]["weights_read_ms"] and row["weights_read"]["weights_gib"] > 0, name
         # transformers' models are also timed with sdpa kept off cuDNN (as samba-hf's are over a cache)
         assert all(("eager_no_cudnn" in entry) == (name in ("Llama-1.3B", "NemotronH"))
                    for entry in row["decode"].values()), name
@@ -227,3 +231,31 @@ def test_the_gpu_benchmark_says_in_one_line_that_there_is_no_gpu(tmp_path):
 def test_the_gpu_benchmark_refuses_mistaken_options(arguments, message):
     result = subprocess.run([sys.executable, str(GPU), *arguments], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_gpu_benchmark_times_the_compiled_step_itself(tmp_path):
+    """decode_graphs times each call of the compiled forward generate takes (on a GPU between CUDA events: the
+    replay's own time, set against the weights read once). generate compiles on a CPU only when asked to
+    (`_compile_all_devices`), with the eager backend here: the timing wrapper runs, and is gone afterwards."""
+    import importlib.util
+
+    import torch
+    from transformers import CompileConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from conftest import tiny_model
+
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", GPU)
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    model = tiny_model(seed=1)
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True  # (no argument of CompileConfig in transformers 5.24)
+    model.generation_config.compile_config = config
+    result = gpu.decode_graphs(model, context=6, batch=1, steps=4)
+    assert result["compiled"] and result["forward_ms"] > 0 and result["ms_per_step"] > 0, result
+    assert "get_compiled_call" not in vars(model)  # the class's method again
+    weights = gpu.weights_read(model)
+    assert weights["weights_gib"] * 2**30 == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weights["weights_read_ms"] > 0
+    torch.compiler.reset()
