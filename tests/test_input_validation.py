@@ -8,7 +8,7 @@ import typing
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, EncoderDecoderCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, EncoderDecoderCache, StaticCache
 
 from samba_hf import SambaConfig, SambaForCausalLM, SambaYConfig, SambaYForCausalLM
 
@@ -324,6 +324,7 @@ def test_a_decoding_step_on_a_gpu_reads_no_values(model, ids):
     assert not check(gpu_step, cache)
     assert check(gpu_prompt, cache) and check(gpu_prompt, None) and check(gpu_step, None)
     assert check(gpu_step, DynamicCache(config=model.config))  # a one-token prompt into an empty cache
+    assert check(gpu_step, StaticCache(config=model.config, max_cache_len=16))  # other caches: always read
     # and on a CPU the step's ids and mask are still checked
     bad = step.clone()
     bad[0, 0] = 97

@@ -207,11 +207,11 @@ def test_samba_hfs_triton_ssd_equals_float64_with_its_gradients(triton_only, len
 
 def counted_chunked_ssd(monkeypatch) -> list:
     """Count the chunked SSD's launches (`triton_scan_samba._ssd_chunked`): one entry per call, its x's length. Its
-    check on a dtype's first prompt is taken as passed (its own test is below), so that only the calls made for the
-    inputs are counted."""
+    check before a compiled variant's first prompt is taken as passed (its own test is below), so that only the calls
+    made for the inputs are counted."""
     from samba_hf import triton_scan_samba
 
-    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_CHECKED", {torch.float16, torch.bfloat16})
+    monkeypatch.setattr(triton_scan_samba, "_check_chunked_ssd", lambda *args: None)
     calls, real = [], triton_scan_samba._ssd_chunked
     monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest))
     return calls
@@ -281,28 +281,32 @@ def test_a_chunked_ssd_that_fails_leaves_the_prompt_to_the_scan_said_once(triton
         assert_close(h, h_ref, 1e-5)
 
 
-def test_the_chunked_ssd_is_checked_once_per_dtype_and_left_out_where_it_is_wrong(triton_only, monkeypatch, caplog):
-    """Before its first prompt in a dtype the chunked SSD runs a small problem against the scan, once: a correct one
-    (float16, under the interpreter) passes and serves; one that gives other numbers (a GPU or Triton release
-    compiling it wrongly: here its results scaled) is left out, said once, and the scan serves with its numbers."""
+def test_the_chunked_ssd_is_checked_once_per_variant_and_left_out_where_it_is_wrong(triton_only, monkeypatch, caplog):
+    """Before its first prompt in a compiled variant (dtype, device, block sizes, D and a starting state or not) the
+    chunked SSD runs a small problem of the caller's head size against the scan, once: a correct one (float16, under
+    the interpreter) passes and serves; one that gives other numbers (a GPU or Triton release compiling it wrongly:
+    here its results scaled) is left out, said once, and the scan serves with its numbers."""
     from samba_hf import triton_scan_samba
 
     x, dt, A, B, C, D, h0 = ssd_inputs(length=20)
     x, B, C = x.half(), B.half(), C.half()
     y_ref, h_ref = float64_ssd(x, dt, A, B, C, D, h0)
-    for checked, failed in (([], []), ([torch.float16], [])):
-        monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_CHECKED", set(checked))
-        monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_FAILED", set(failed))
+    y_zero, _ = float64_ssd(x, dt, A, B, C, torch.zeros_like(D), torch.zeros(h0.shape))  # no D, from zero
+    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_CHECKED", set())
+    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_FAILED", set())
+    check = 2 * triton_scan_samba.SSD_CHUNK + 5
+    real = triton_scan_samba._ssd_chunked
+    for first, (d, state, want) in ((True, (D, h0, y_ref)), (False, (D, h0, y_ref)), (True, (None, None, y_zero))):
         calls = []
-        real = triton_scan_samba._ssd_chunked
         monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest))
         with torch.no_grad():
-            y, h = ssm_samba.ssd_scan(x, dt, A, B, C, D, h0)
+            y, h = ssm_samba.ssd_scan(x, dt, A, B, C, d, state)
         monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", real)
-        check = 2 * triton_scan_samba.SSD_CHUNK + 5
-        assert calls == ([check, 20] if not checked else [20]), calls  # the check on the first prompt only
-        assert triton_scan_samba._CHUNKED_SSD_CHECKED == {torch.float16} and not triton_scan_samba._CHUNKED_SSD_FAILED
-        assert (y.double() - y_ref).abs().max() <= 2e-3 * y_ref.abs().max()
+        assert calls == ([check, 20] if first else [20]), calls  # the check before a variant's first prompt only
+        assert (y.double() - want).abs().max() <= 2e-3 * want.abs().max()
+    checked = triton_scan_samba._CHUNKED_SSD_CHECKED
+    assert len(checked) == 2 and {key[-2:] for key in checked} == {(True, True), (False, False)}, checked
+    assert not triton_scan_samba._CHUNKED_SSD_FAILED
 
     real = triton_scan_samba._ssd_chunked
     monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda *args: tuple(t * 1.5 for t in real(*args)))

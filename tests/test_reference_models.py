@@ -284,9 +284,9 @@ def test_no_block_mask_is_built_past_the_recompile_limit(monkeypatch, caplog):
 
 def test_sdpa_over_a_cache_on_a_gpu_leaves_cudnn_out():
     """cuDNN's attention builds and keeps a graph for every new key length, so a step over a growing cache would
-    build one per layer per step: on a GPU a call with fewer queries than keys runs with every other enabled sdpa
-    backend, and leaving restores the choice before. (Decided before anything touches the device: this runs without
-    one; tests/test_gpu.py profiles real decoding steps.)"""
+    build one per layer per step: on a GPU a call with fewer queries than keys runs with cuDNN's switch off, and the
+    switch is as it was once the last such call, in any thread, is over (it is the process's). (Decided before
+    anything touches the device: this runs without one; tests/test_gpu.py profiles real decoding steps.)"""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from samba_hf.modeling_samba import sdpa_backends
@@ -295,18 +295,32 @@ def test_sdpa_over_a_cache_on_a_gpu_leaves_cudnn_out():
     enabled = lambda: (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
                        cuda.math_sdp_enabled())
     before = enabled()
+    assert before[0]
     with sdpa_backends(gpu, 1, 300):
-        assert enabled() == (False, True, True, True)
+        assert enabled() == (False, *before[1:])
     assert enabled() == before
     for device, queries, keys in ((gpu, 300, 300), (torch.device("cpu"), 1, 300)):  # a prompt; a CPU
         with sdpa_backends(device, queries, keys):
             assert enabled() == before
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):  # a user's choice: others kept off
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):  # a user's choice: the others off
         with sdpa_backends(gpu, 1, 300):
             assert enabled() == (False, True, False, False)
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):  # cuDNN chosen over the fast ones: it stays
-        with sdpa_backends(gpu, 1, 300):
-            assert enabled() == (True, False, False, True)
+        assert enabled() == (True, True, False, False)
+    for chosen in ([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH], [SDPBackend.CUDNN_ATTENTION]):
+        with sdpa_kernel(chosen):  # flash and memory-efficient turned off by the user: cuDNN stays
+            inside = enabled()
+            with sdpa_backends(gpu, 1, 300):
+                assert enabled() == inside and inside[0]
+    # two calls overlapping (two threads): off until the last is over, then as before
+    first, second = sdpa_backends(gpu, 1, 300), sdpa_backends(gpu, 1, 40)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not cuda.cudnn_sdp_enabled()
+    second.__exit__(None, None, None)
+    assert enabled() == before
+    with pytest.raises(RuntimeError), sdpa_backends(gpu, 1, 300):  # and after a failure inside
+        raise RuntimeError("attention failed")
     assert enabled() == before
 
 

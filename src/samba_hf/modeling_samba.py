@@ -18,12 +18,12 @@ This file is also the remote code of a saved model: it imports only torch, trans
 import contextlib
 import math
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask
 
 from transformers import initialization as init
@@ -505,24 +505,44 @@ BLOCKWISE_IMPLEMENTATIONS = ("eager", "sdpa")
 
 
 def sdpa_backends(device: torch.device, queries: int, keys: int):
-    """The sdpa backends an attention call of `queries` queries over `keys` keys runs with: on a GPU, for fewer
-    queries than keys (a step over a cache, whose keys grow by a token each step) and outside torch.compile, all
-    that are enabled but cuDNN's; otherwise sdpa's own choice. torch's sdpa takes cuDNN's attention first where it
-    can (on an H100 with torch 2.11, for a single query too: the decoding profile of 2026-11-26), and cuDNN builds
-    a graph for every new shape and keeps it (ATen's `cudnn/MHA.cpp` keys its graphs by the key length and the
-    strides, without a bound): a cache growing by one token would build one graph per attention layer at every
-    step and keep them all. Flash and memory-efficient attention have no cost per shape. Where a user has left sdpa
-    no other GPU backend, their choice stands. A context manager (torch's `sdpa_kernel`, which restores the
-    previous choice on leaving)."""
+    """The context an attention call of `queries` queries over `keys` keys runs in: on a GPU, for fewer queries than
+    keys (a step over a cache, whose keys grow by a token each step) and outside torch.compile, sdpa without cuDNN's
+    attention; otherwise sdpa's own choice. torch's sdpa takes cuDNN's attention first where it can (on an H100 with
+    torch 2.11, for a single query too: the decoding profile of 2026-11-26), and cuDNN builds a graph for every new
+    shape and keeps it (ATen's `cudnn/MHA.cpp` keys its graphs by the key length and the strides, without a bound): a
+    cache growing by one token would build one graph per attention layer at every step and keep them all. Flash and
+    memory-efficient attention have no cost per shape. Where a user has turned both of those off, their choice
+    stands."""
     cuda = torch.backends.cuda
-    if device.type != "cuda" or queries >= keys or torch.compiler.is_compiling() or not cuda.cudnn_sdp_enabled():
+    if device.type != "cuda" or queries >= keys or torch.compiler.is_compiling():
         return contextlib.nullcontext()
-    others = [backend for backend, enabled in ((SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
-                                               (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
-                                               (SDPBackend.MATH, cuda.math_sdp_enabled())) if enabled]
-    if SDPBackend.MATH in others and len(others) == 1:  # flash and memory-efficient off: the user chose cuDNN
+    if not (cuda.flash_sdp_enabled() or cuda.mem_efficient_sdp_enabled()):
         return contextlib.nullcontext()
-    return sdpa_kernel(others)
+    return _cudnn_attention_off()
+
+
+_CUDNN_OFF_LOCK = threading.Lock()
+_CUDNN_OFF_DEPTH = 0  # how many `_cudnn_attention_off` contexts are open, in all threads
+_CUDNN_WAS_ENABLED = True  # cuDNN's sdpa switch as the first of them found it
+
+
+@contextlib.contextmanager
+def _cudnn_attention_off():
+    """cuDNN's sdpa switch off while any of these contexts is open, in any thread (the switch is the process's, not
+    a thread's), and as it was found once the last one closes."""
+    global _CUDNN_OFF_DEPTH, _CUDNN_WAS_ENABLED
+    with _CUDNN_OFF_LOCK:
+        if _CUDNN_OFF_DEPTH == 0:
+            _CUDNN_WAS_ENABLED = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _CUDNN_OFF_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _CUDNN_OFF_LOCK:
+            _CUDNN_OFF_DEPTH -= 1
+            if _CUDNN_OFF_DEPTH == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_CUDNN_WAS_ENABLED)
 
 
 class SambaAttention(nn.Module):
@@ -1192,11 +1212,12 @@ class SambaModel(SambaPreTrainedModel):
 
     def _reads_values(self, tokens: torch.Tensor, past_key_values: Cache | None) -> bool:
         """Whether the checks may look at the ids' and the mask's values: always on a CPU; on a GPU, not in a
-        decoding step (one token per sequence after cached ones), where reading a value back waits for the GPU to
-        finish the step before and so stops the host running ahead (on an H100, 2026-11-26, samba-hf's decoding
-        steps synchronised once each, transformers' models' not at all). A step's ids come from the model's own
-        logits, and the prompt's were checked."""
-        if tokens.device.type == "cpu" or tokens.shape[1] != 1 or past_key_values is None:
+        decoding step (one token per sequence over a `DynamicCache` holding earlier ones), where reading a value back
+        waits for the GPU to finish the step before and so stops the host running ahead (on an H100, 2026-11-26,
+        samba-hf's decoding steps synchronised once each, transformers' models' not at all). A step's ids come from
+        the model's own logits, and the prompt's were checked. (Other caches are always read: whether a static
+        cache is empty cannot be told without reading it, and generate compiles its steps, where no check runs.)"""
+        if tokens.device.type == "cpu" or tokens.shape[1] != 1 or type(past_key_values) is not DynamicCache:
             return True
         return self._past_length(past_key_values) == 0  # a one-token prompt into an empty cache is still checked
 

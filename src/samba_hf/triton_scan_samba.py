@@ -716,7 +716,7 @@ SSD_NUM_WARPS = 8
 
 
 _CHUNKED_SSD_FAILED: set = set()  # the dtypes the chunked SSD failed in (the scan runs instead, said once)
-_CHUNKED_SSD_CHECKED: set = set()  # the dtypes it passed `_check_chunked_ssd` in, in this process
+_CHUNKED_SSD_CHECKED: set = set()  # the compiled variants that passed `_check_chunked_ssd`, in this process
 
 
 def _ssd_blocks(head_dim: int, d_state: int) -> tuple[int, int]:
@@ -744,13 +744,19 @@ def _ssd_chunked(x, dt, A, B, C, D, h0):
     return y, h
 
 
-def _check_chunked_ssd(dtype: torch.dtype, device: torch.device):
-    """Before the chunked SSD's first prompt in a dtype: a small problem (two chunks and a part, from a state, two
-    groups of two heads) through it and through the scan, which multiplies no matrices. Where a GPU or a Triton
-    release compiles it wrongly, raises a RuntimeError saying so (and the scan serves, said once), as the scan and
-    the conv are checked when they load (`ssm_samba._check_scan`)."""
+def _chunked_ssd_variant(x, B, D, h0) -> tuple:
+    """What a call's compiled chunked SSD depends on: the dtype and device, the block sizes, whether D and h0 come."""
+    return x.dtype, x.device, *_ssd_blocks(x.shape[3], B.shape[3]), D is not None, h0 is not None
+
+
+def _check_chunked_ssd(dtype: torch.dtype, device: torch.device, head_dim: int, d_state: int, has_d: bool,
+                       has_h0: bool):
+    """Before the chunked SSD's first prompt in a compiled variant (`_chunked_ssd_variant`): a small problem of the
+    caller's head size and states (two chunks and a part, two groups of two heads) through it and through the scan,
+    which multiplies no matrices. Where a GPU or a Triton release compiles it wrongly, raises a RuntimeError saying so
+    (and the scan serves, said once), as the scan and the conv are checked when they load (`ssm_samba._check_scan`)."""
     g = torch.Generator(device=device).manual_seed(0)
-    batch, length, heads, head_dim, groups, d_state = 1, 2 * SSD_CHUNK + 5, 4, 8, 2, 16
+    batch, length, heads, groups = 1, 2 * SSD_CHUNK + 5, 4, 2
 
     def rand(*shape):
         return torch.rand(*shape, device=device, generator=g)
@@ -758,8 +764,9 @@ def _check_chunked_ssd(dtype: torch.dtype, device: torch.device):
     x, B, C = ((rand(*shape) - 0.5).to(dtype) for shape in ((batch, length, heads, head_dim),
                                                              (batch, length, groups, d_state),
                                                              (batch, length, groups, d_state)))
-    dt, A, D = rand(batch, length, heads) * 0.5, -rand(heads) - 0.1, rand(heads)
-    h0 = rand(batch, heads, head_dim, d_state)
+    dt, A = rand(batch, length, heads) * 0.5, -rand(heads) - 0.1
+    D = rand(heads) if has_d else None
+    h0 = rand(batch, heads, head_dim, d_state) if has_h0 else None
     results = zip(_ssd_chunked(x, dt, A, B, C, D, h0), _ssd_scan(x, dt, A, B, C, D, h0))
     tolerance = 6e-2 if dtype == torch.bfloat16 else 1e-2  # products of 8 / 11 bits; a wrong kernel is off by far more
     if not all((got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max() for got, want in results):
@@ -782,15 +789,16 @@ def ssd_scan_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torc
     """Mamba-2's scan on a CUDA tensor (the arguments and results of `ssm_samba.ssd_scan_pytorch`, less the chunk
     size): x (batch, seq, heads, head_dim); dt (batch, seq, heads); A, D (heads,); B, C (batch, seq, groups,
     d_state); h0 (batch, heads, head_dim, d_state). y in x's dtype, the last state in float32; differentiable.
-    Inference on a half-precision prompt takes the chunked SSD (checked once per dtype first,
+    Inference on a half-precision prompt takes the chunked SSD (each compiled variant checked once first,
     `_check_chunked_ssd`); the rest the scan over heads x head_dim channels."""
     half = x.dtype in (torch.bfloat16, torch.float16)
     if (x.shape[1] >= SSD_MIN_TOKENS and half and not _wants_gradient(x, dt, A, B, C, D, h0)
             and x.dtype not in _CHUNKED_SSD_FAILED and not torch.compiler.is_compiling()):
         try:
-            if x.dtype not in _CHUNKED_SSD_CHECKED:
-                _check_chunked_ssd(x.dtype, x.device)
-                _CHUNKED_SSD_CHECKED.add(x.dtype)
+            variant = _chunked_ssd_variant(x, B, D, h0)
+            if variant not in _CHUNKED_SSD_CHECKED:
+                _check_chunked_ssd(x.dtype, x.device, x.shape[3], B.shape[3], D is not None, h0 is not None)
+                _CHUNKED_SSD_CHECKED.add(variant)
             return _ssd_chunked(x, dt, A, B, C, D, h0)
         except Exception as error:  # a GPU whose compiler takes no products in this dtype (bf16 before sm_80), or
             # compiles them wrongly
