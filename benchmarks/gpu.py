@@ -202,14 +202,18 @@ def eager_decoder(model, context: int, batch: int):
     return run
 
 
-def decode_eager(model, context: int, batch: int, steps: int, cudnn: bool = True) -> dict:
-    """cudnn=False: sdpa without cuDNN's attention, which builds a graph for each new key length (what samba-hf's
-    models do over a cache, `modeling_samba.sdpa_backends`); for transformers' models, the baseline that is not
-    slowed by that (docs/speed.md)."""
+def sdpa_without_cudnn():
+    """sdpa's other backends, not cuDNN's attention, which builds a graph for each new key length (what samba-hf's
+    models do over a cache, `modeling_samba.sdpa_backends`)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-    with (contextlib.nullcontext() if cudnn else backends):
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def decode_eager(model, context: int, batch: int, steps: int, cudnn: bool = True) -> dict:
+    """cudnn=False: `sdpa_without_cudnn`; for transformers' models, the baseline that is not slowed by cuDNN's
+    graphs (docs/speed.md)."""
+    with (contextlib.nullcontext() if cudnn else sdpa_without_cudnn()):
         run = eager_decoder(model, context, batch)
         with torch.no_grad(), Timer() as t:
             run(steps)
@@ -421,7 +425,6 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
     import cProfile
     import pstats
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
     run = eager_decoder(model, context, 1)
@@ -443,7 +446,7 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
         with torch.no_grad(), Timer() as t:
             run(1)
         one_by_one.append(round(1000 * t.seconds, 3))
-    with torch.no_grad(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+    with torch.no_grad(), sdpa_without_cudnn():
         run(2)  # first calls on these backends
         with Timer() as t:
             run(steps)

@@ -11,7 +11,7 @@ import torch
 
 from samba_hf import ssm_samba
 
-from conftest import returned_cache, tiny_model
+from conftest import counted_chunked_ssd, returned_cache, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 KERNELS = ssm_samba.load_kernels()
@@ -286,8 +286,7 @@ def test_samba_hfs_chunked_ssd_matches_float64_on_a_prompt(triton_scans_only, mo
     from samba_hf import triton_scan_samba
     from test_mamba2 import float64_ssd
 
-    calls, real = [], triton_scan_samba._ssd_chunked
-    monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest))
+    calls = counted_chunked_ssd(monkeypatch, skip_check=False)
     g = torch.Generator(device="cuda").manual_seed(0)
     b, L, heads, head_dim, groups, n = 2, 300, 4, 64, 2, 128
     x = torch.randn(b, L, heads, head_dim, device="cuda", generator=g).to(dtype)

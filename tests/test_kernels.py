@@ -31,7 +31,7 @@ if ssm_samba.INTERPRET_KERNELS:
 
     kernel_extensions.install()
 
-from conftest import returned_cache, tiny_model  # noqa: E402
+from conftest import counted_chunked_ssd, returned_cache, tiny_model  # noqa: E402
 from test_mamba2 import float64_ssd, ssd_inputs, tiny_mamba2  # noqa: E402
 from test_reference_models import float64_recurrence  # noqa: E402
 
@@ -205,18 +205,6 @@ def test_samba_hfs_triton_ssd_equals_float64_with_its_gradients(triton_only, len
         assert_close(grad, want, 1e-4)
 
 
-def counted_chunked_ssd(monkeypatch) -> list:
-    """Count the chunked SSD's launches (`triton_scan_samba._ssd_chunked`): one entry per call, its x's length. Its
-    check before a compiled variant's first prompt is taken as passed (its own test is below), so that only the calls
-    made for the inputs are counted."""
-    from samba_hf import triton_scan_samba
-
-    monkeypatch.setattr(triton_scan_samba, "_check_chunked_ssd", lambda *args: None)
-    calls, real = [], triton_scan_samba._ssd_chunked
-    monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest))
-    return calls
-
-
 # The interpreter's tl.dot gives wrong numbers for bfloat16 operands (Triton 3.9: a 16 x 16 product off by 3e10,
 # float16 right), so CI checks the chunked SSD in float16, the same kernel; tests/test_gpu.py checks bf16 on a GPU.
 @pytest.mark.parametrize("length", [16, 37, 100])  # one chunk of 32 cut short, two and a part, four and a part
@@ -295,14 +283,12 @@ def test_the_chunked_ssd_is_checked_once_per_variant_and_left_out_where_it_is_wr
     monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_CHECKED", set())
     monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_FAILED", set())
     check = 2 * triton_scan_samba.SSD_CHUNK + 5
-    real = triton_scan_samba._ssd_chunked
+    calls = counted_chunked_ssd(monkeypatch, skip_check=False)
     for first, (d, state, want) in ((True, (D, h0, y_ref)), (False, (D, h0, y_ref)), (True, (None, None, y_zero))):
-        calls = []
-        monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest))
+        before = len(calls)
         with torch.no_grad():
             y, h = ssm_samba.ssd_scan(x, dt, A, B, C, d, state)
-        monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", real)
-        assert calls == ([check, 20] if first else [20]), calls  # the check before a variant's first prompt only
+        assert calls[before:] == ([check, 20] if first else [20]), calls  # the check before a variant's first prompt
         assert (y.double() - want).abs().max() <= 2e-3 * want.abs().max()
     checked = triton_scan_samba._CHUNKED_SSD_CHECKED
     assert len(checked) == 2 and {key[-2:] for key in checked} == {(True, True), (False, False)}, checked

@@ -749,12 +749,13 @@ def _chunked_ssd_variant(x, B, D, h0) -> tuple:
     return x.dtype, x.device, *_ssd_blocks(x.shape[3], B.shape[3]), D is not None, h0 is not None
 
 
-def _check_chunked_ssd(dtype: torch.dtype, device: torch.device, head_dim: int, d_state: int, has_d: bool,
-                       has_h0: bool):
+def _check_chunked_ssd(x, B, D, h0):
     """Before the chunked SSD's first prompt in a compiled variant (`_chunked_ssd_variant`): a small problem of the
-    caller's head size and states (two chunks and a part, two groups of two heads) through it and through the scan,
-    which multiplies no matrices. Where a GPU or a Triton release compiles it wrongly, raises a RuntimeError saying so
-    (and the scan serves, said once), as the scan and the conv are checked when they load (`ssm_samba._check_scan`)."""
+    caller's dtype, device, head size and states, with D and a starting state where the caller has them (two chunks
+    and a part, two groups of two heads), through it and through the scan, which multiplies no matrices. Where a GPU
+    or a Triton release compiles it wrongly, raises a RuntimeError saying so (and the scan serves, said once), as the
+    scan and the conv are checked when they load (`ssm_samba._check_scan`)."""
+    dtype, device, head_dim, d_state = x.dtype, x.device, x.shape[3], B.shape[3]
     g = torch.Generator(device=device).manual_seed(0)
     batch, length, heads, groups = 1, 2 * SSD_CHUNK + 5, 4, 2
 
@@ -765,8 +766,8 @@ def _check_chunked_ssd(dtype: torch.dtype, device: torch.device, head_dim: int, 
                                                              (batch, length, groups, d_state),
                                                              (batch, length, groups, d_state)))
     dt, A = rand(batch, length, heads) * 0.5, -rand(heads) - 0.1
-    D = rand(heads) if has_d else None
-    h0 = rand(batch, heads, head_dim, d_state) if has_h0 else None
+    D = None if D is None else rand(heads)
+    h0 = None if h0 is None else rand(batch, heads, head_dim, d_state)
     results = zip(_ssd_chunked(x, dt, A, B, C, D, h0), _ssd_scan(x, dt, A, B, C, D, h0))
     tolerance = 6e-2 if dtype == torch.bfloat16 else 1e-2  # products of 8 / 11 bits; a wrong kernel is off by far more
     if not all((got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max() for got, want in results):
@@ -797,7 +798,7 @@ def ssd_scan_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torc
         try:
             variant = _chunked_ssd_variant(x, B, D, h0)
             if variant not in _CHUNKED_SSD_CHECKED:
-                _check_chunked_ssd(x.dtype, x.device, x.shape[3], B.shape[3], D is not None, h0 is not None)
+                _check_chunked_ssd(x, B, D, h0)
                 _CHUNKED_SSD_CHECKED.add(variant)
             return _ssd_chunked(x, dt, A, B, C, D, h0)
         except Exception as error:  # a GPU whose compiler takes no products in this dtype (bf16 before sm_80), or
