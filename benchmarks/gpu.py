@@ -418,7 +418,8 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
     """Where an eager decoding step's time goes (batch 1, after warm-up steps): torch.profiler's top operators by
     self CPU time and by self device time, and the host-device synchronisations per step (each one stops the host
     from running ahead of the GPU); the profiled steps' wall time; 8 steps timed one by one (steady, or spikes);
-    the same steps with sdpa kept off cuDNN; and Python's own profile (cProfile) of the steps, by time inside each
+    the same steps with sdpa kept off cuDNN; every attention operator and kernel the steps ran (which of sdpa's
+    backends each model's attention took); and Python's own profile (cProfile) of the steps, by time inside each
     function. On the H100 (2026-11-26) eager steps took 47-74 ms where the operators' host and device time came to a
     few ms (Samba at 1K, Llama, samba-hf's Mamba-2-Hybrid; NemotronH 8 ms, Samba at 64K 16 ms): these say where the
     rest goes. Every step here has a key length of its own, as a timed step does."""
@@ -441,6 +442,11 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
     def per_step(*names):
         return sum(e.count for e in events if any(name in e.key for name in names)) / steps
 
+    # which of sdpa's kernels each attention call took (cuDNN's builds a graph per new key length; the H100 run's top
+    # 12 operators showed it for Samba and Llama and could not show what NemotronH's and the hybrid's took)
+    attention = [[e.key, round(e.count / steps, 1), round(getattr(e, device_time, 0) / steps / 1000, 4)]
+                 for e in events if any(word in e.key.lower() for word in ("attention", "sdp", "cudnn", "fmha", "flash"))]
+
     one_by_one = []
     for _ in range(8):
         with torch.no_grad(), Timer() as t:
@@ -461,6 +467,7 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
     return {"ms_per_step_cpu_by_op": top("self_cpu_time_total"), "ms_per_step_device_by_op": top(device_time),
             "values_read_on_host_per_step": per_step("aten::_local_scalar_dense", "aten::tolist"),
             "synchronize_calls_per_step": per_step("Synchronize"), "ops_per_step": per_step(""),
+            "attention_ops_per_step": attention,
             "profiled_ms_per_step": 1000 * profiled.seconds / steps, "ms_of_8_steps_one_by_one": one_by_one,
             "ms_per_step_sdpa_without_cudnn": without_cudnn,
             "python_ms_per_step_by_function": [
@@ -605,7 +612,8 @@ def mamba_scan(args, device, dtype) -> dict:
     found, in_this_run = installed_kernels(), ssm_samba.load_kernels()
     none = dict.fromkeys(ssm_samba.Kernels._fields[:-1])
     only = {"triton": found._replace(selective_scan_fn=None, selective_state_update=None, mamba_chunk_scan_combined=None),
-            "mamba_ssm": found._replace(selective_scan_triton=None, ssd_scan_triton=None, selective_state_update=None),
+            "mamba_ssm": found._replace(selective_scan_triton=None, ssd_scan_triton=None, ssd_chunked_triton=None,
+                                        selective_state_update=None),
             "pytorch": found._replace(**none)}
     available = {"samba": {"triton": found.selective_scan_triton, "mamba_ssm": found.selective_scan_fn},
                  "mamba2": {"triton": found.ssd_scan_triton, "mamba_ssm": found.mamba_chunk_scan_combined}}
@@ -640,8 +648,8 @@ def mamba_scan(args, device, dtype) -> dict:
     return at_each_length(args, "scan", measure)
 
 
-# The alternatives to samba-hf's Triton scan launch that `scan_configs` times: (name, {triton_scan_samba constant:
-# value}); the first is the default.
+# The alternatives to samba-hf's Triton scan launch that `scan_configs` times: (name, {constant of triton_scan_samba
+# or, for the choice of the chunked SSD, ssm_samba: value}); the first is the default.
 SCAN_CONFIGS = [
     ("default", {}),
     ("a token a step (the H100 run's kernel)", {"TILE_MAX": 1}),
@@ -675,18 +683,31 @@ def scan_configs(args, device, dtype) -> dict:
         return {"skipped": "samba-hf's Triton scan is not available here"}
     from samba_hf import triton_scan_samba
 
+    def owner(constant):
+        return triton_scan_samba if hasattr(triton_scan_samba, constant) else ssm_samba
+
+    in_this_run = ssm_samba.load_kernels()
+    triton_only = found._replace(selective_scan_fn=None, selective_state_update=None, mamba_chunk_scan_combined=None)
+
+    def ssd(x, dt, A, B, C, D):  # as the models call it: the chunked SSD or the scan, as ssm_samba decides
+        ssm_samba._KERNELS = triton_only
+        try:
+            return ssm_samba.ssd_scan(x, dt, A, B, C, D)[0]
+        finally:
+            ssm_samba._KERNELS = in_this_run
+
     def measure(length):
         inputs = scan_inputs(args, device, dtype, length)
         (u, dt, B, C, z), A, D = inputs["samba"]
         (x, dt2, B2, C2), A2, D2 = inputs["mamba2"]
         calls = {"samba": lambda: found.selective_scan_triton(u, dt, A, B, C, D, z)[0],
-                 "mamba2": lambda: found.ssd_scan_triton(x, dt2, A2, B2, C2, D2)[0]}
+                 "mamba2": lambda: ssd(x, dt2, A2, B2, C2, D2)}
         row, reference = {}, {}
         for name, values in SCAN_CONFIGS:
-            saved = {key: getattr(triton_scan_samba, key) for key in values}
+            saved = {key: getattr(owner(key), key) for key in values}
             try:
                 for key, value in values.items():
-                    setattr(triton_scan_samba, key, value)
+                    setattr(owner(key), key, value)
                 for kind, call in calls.items():
                     with torch.no_grad():
                         seconds = timed(call)
@@ -701,7 +722,7 @@ def scan_configs(args, device, dtype) -> dict:
                                                             leaves[4])[0].float().sum().backward())
             finally:
                 for key, value in saved.items():
-                    setattr(triton_scan_samba, key, value)
+                    setattr(owner(key), key, value)
         return row
 
     return at_each_length(args, "scan configs", measure)
@@ -911,7 +932,8 @@ def main(argv=None):
     global INSTALLED
     INSTALLED = ssm_samba.load_kernels()
     if args.kernels != "all":
-        keep = ("selective_scan_triton", "ssd_scan_triton", "causal_conv_triton") if args.kernels == "triton" else ()
+        keep = ("selective_scan_triton", "ssd_scan_triton", "ssd_chunked_triton", "causal_conv_triton") \
+            if args.kernels == "triton" else ()
         found = INSTALLED
         ssm_samba._KERNELS = found._replace(**{name: None for name in ssm_samba.Kernels._fields[:-1]
                                                if name not in keep})

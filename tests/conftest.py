@@ -49,15 +49,18 @@ def cache_kwarg(cache) -> dict:
 
 
 def counted_chunked_ssd(monkeypatch, skip_check: bool = True) -> list:
-    """Count the chunked SSD's launches (`triton_scan_samba._ssd_chunked`): one entry per call, its x's length.
-    skip_check: its check before a compiled variant's first prompt is taken as passed (tests/test_kernels.py tests
-    the check itself), so that only the calls made for the inputs are counted."""
-    from samba_hf import triton_scan_samba
+    """Count the chunked SSD's launches (`ssm_samba`'s kernels' `ssd_chunked_triton`, as loaded or as a test left
+    them): one entry per call, its x's length. skip_check: its check before a compiled variant's first prompt is
+    taken as passed (tests/test_kernels.py tests the check itself), so that only the calls made for the inputs are
+    counted."""
+    from samba_hf import ssm_samba
 
     if skip_check:
-        monkeypatch.setattr(triton_scan_samba, "_check_chunked_ssd", lambda *args: None)
-    calls, real = [], triton_scan_samba._ssd_chunked
-    monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest))
+        monkeypatch.setattr(ssm_samba, "_check_chunked_ssd", lambda *args: None)
+    kernels = ssm_samba.load_kernels()
+    calls, real = [], kernels.ssd_chunked_triton
+    monkeypatch.setattr(ssm_samba, "_KERNELS", kernels._replace(
+        ssd_chunked_triton=lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest)))
     return calls
 
 

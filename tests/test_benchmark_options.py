@@ -170,6 +170,8 @@ def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
         assert all(("eager_no_cudnn" in entry) == (name in ("Llama-1.3B", "NemotronH"))
                    for entry in row["decode"].values()), name
         assert row["decode_profile"]["ops_per_step"] > 10 and row["decode_profile"]["ms_per_step_cpu_by_op"], name
+        # which attention kernels a step took (every one of these models has attention layers)
+        assert any("attention" in op for op, *_ in row["decode_profile"]["attention_ops_per_step"]), name
     shown = subprocess.run([sys.executable, str(GPU), "--table", str(out)], capture_output=True, text=True,
                            timeout=300)
     assert shown.returncode == 0, shown.stderr[-2000:]

@@ -211,7 +211,7 @@ def triton_scans_only(monkeypatch):
     for name in ("selective_scan_triton", "causal_conv_triton"):
         if getattr(KERNELS, name) is None:
             pytest.skip(f"samba-hf's {name} does not load here: {KERNELS.missing.get(name)}")
-    own = ("selective_scan_triton", "ssd_scan_triton", "causal_conv_triton")
+    own = ("selective_scan_triton", "ssd_scan_triton", "ssd_chunked_triton", "causal_conv_triton")
     monkeypatch.setattr(ssm_samba, "_KERNELS", KERNELS._replace(
         **{name: None for name in ssm_samba.Kernels._fields[:-1] if name not in own}))
     for name in ("selective_scan_pytorch", "ssd_scan_pytorch"):
@@ -300,7 +300,7 @@ def test_samba_hfs_chunked_ssd_matches_float64_on_a_prompt(triton_scans_only, mo
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-2  # products of 8 and of 11 bits
     # (the first prompt in a dtype runs the load-time check first: a small problem through both paths)
     assert calls[-1] == L and y.dtype == dtype
-    assert triton_scan_samba._chunked_ssd_variant(x, B, D, h0) in triton_scan_samba._CHUNKED_SSD_CHECKED
+    assert triton_scan_samba.ssd_chunked_variant(x, B, D, h0) in ssm_samba._CHUNKED_SSD_CHECKED
     assert (y.cpu().double() - y_ref).abs().max() <= tol * y_ref.abs().max()
     assert (h.cpu().double() - h_ref).abs().max() <= tol * h_ref.abs().max()
 

@@ -69,7 +69,7 @@ def kernels(monkeypatch):
     return only(monkeypatch, PACKAGES)
 
 
-TRITON_ONLY = ("selective_scan_triton", "ssd_scan_triton", "causal_conv_triton")  # samba-hf's own
+TRITON_ONLY = ("selective_scan_triton", "ssd_scan_triton", "ssd_chunked_triton", "causal_conv_triton")  # samba-hf's
 
 
 @pytest.fixture
@@ -223,7 +223,7 @@ def test_the_chunked_ssd_equals_float64(triton_only, monkeypatch, length, from_s
     with torch.no_grad():
         y, h = ssm_samba.ssd_scan(x, dt, A, B, C, D, h0)
     y_ref, h_ref = float64_ssd(x, dt, A, B, C, D, torch.zeros(h.shape) if h0 is None else h0)
-    assert calls == [length] and triton_only["ssd_scan_triton"] == 1
+    assert calls == [length] and triton_only["ssd_chunked_triton"] == 1 and triton_only["ssd_scan_triton"] == 0
     assert y.dtype == torch.float16 and h.dtype == torch.float32
     assert (y.double() - y_ref).abs().max() <= 2e-3 * y_ref.abs().max()
     assert (h.double() - h_ref).abs().max() <= 2e-3 * h_ref.abs().max()
@@ -250,13 +250,11 @@ def test_only_half_precision_inference_on_a_prompt_takes_the_chunked_ssd(triton_
 def test_a_chunked_ssd_that_fails_leaves_the_prompt_to_the_scan_said_once(triton_only, monkeypatch, caplog):
     """Where the chunked SSD does not compile (bf16 products on a GPU before sm_80, say), the scan serves the prompt,
     with the same numbers, and that is said once."""
-    from samba_hf import triton_scan_samba
-
     def refuse(*args, **kwargs):
         raise RuntimeError("no bf16 products on this GPU")
 
-    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_FAILED", set())
-    monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", refuse)
+    monkeypatch.setattr(ssm_samba, "_CHUNKED_SSD_FAILED", set())
+    monkeypatch.setattr(ssm_samba, "_KERNELS", ssm_samba.load_kernels()._replace(ssd_chunked_triton=refuse))
     x, dt, A, B, C, D, h0 = ssd_inputs(length=20)
     x, B, C = x.half(), B.half(), C.half()
     with caplog.at_level(logging.WARNING), torch.no_grad():
@@ -280,8 +278,8 @@ def test_the_chunked_ssd_is_checked_once_per_variant_and_left_out_where_it_is_wr
     x, B, C = x.half(), B.half(), C.half()
     y_ref, h_ref = float64_ssd(x, dt, A, B, C, D, h0)
     y_zero, _ = float64_ssd(x, dt, A, B, C, torch.zeros_like(D), torch.zeros(h0.shape))  # no D, from zero
-    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_CHECKED", set())
-    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_FAILED", set())
+    monkeypatch.setattr(ssm_samba, "_CHUNKED_SSD_CHECKED", set())
+    monkeypatch.setattr(ssm_samba, "_CHUNKED_SSD_FAILED", set())
     check = 2 * triton_scan_samba.SSD_CHUNK + 5
     calls = counted_chunked_ssd(monkeypatch, skip_check=False)
     for first, (d, state, want) in ((True, (D, h0, y_ref)), (False, (D, h0, y_ref)), (True, (None, None, y_zero))):
@@ -290,18 +288,20 @@ def test_the_chunked_ssd_is_checked_once_per_variant_and_left_out_where_it_is_wr
             y, h = ssm_samba.ssd_scan(x, dt, A, B, C, d, state)
         assert calls[before:] == ([check, 20] if first else [20]), calls  # the check before a variant's first prompt
         assert (y.double() - want).abs().max() <= 2e-3 * want.abs().max()
-    checked = triton_scan_samba._CHUNKED_SSD_CHECKED
+    checked = ssm_samba._CHUNKED_SSD_CHECKED
     assert len(checked) == 2 and {key[-2:] for key in checked} == {(True, True), (False, False)}, checked
-    assert not triton_scan_samba._CHUNKED_SSD_FAILED
+    assert not ssm_samba._CHUNKED_SSD_FAILED
 
-    real = triton_scan_samba._ssd_chunked
-    monkeypatch.setattr(triton_scan_samba, "_ssd_chunked", lambda *args: tuple(t * 1.5 for t in real(*args)))
-    monkeypatch.setattr(triton_scan_samba, "_CHUNKED_SSD_CHECKED", set())
+    kernels = ssm_samba.load_kernels()
+    real = kernels.ssd_chunked_triton
+    monkeypatch.setattr(ssm_samba, "_KERNELS", kernels._replace(
+        ssd_chunked_triton=lambda *args: tuple(t * 1.5 for t in real(*args))))
+    monkeypatch.setattr(ssm_samba, "_CHUNKED_SSD_CHECKED", set())
     with caplog.at_level(logging.WARNING), torch.no_grad():
         results = [ssm_samba.ssd_scan(x, dt, A, B, C, D, h0) for _ in range(2)]
     said = [r.getMessage() for r in caplog.records if "chunked SSD does not run" in r.getMessage()]
     assert len(said) == 1 and "other numbers than the scan" in said[0], said
-    assert triton_scan_samba._CHUNKED_SSD_FAILED == {torch.float16}
+    assert ssm_samba._CHUNKED_SSD_FAILED == {torch.float16}
     for y, h in results:  # the scan's numbers, not the wrong kernel's
         assert (y.double() - y_ref).abs().max() <= 2e-3 * y_ref.abs().max()
         assert_close(h, h_ref, 1e-5)
@@ -310,14 +310,12 @@ def test_the_chunked_ssd_is_checked_once_per_variant_and_left_out_where_it_is_wr
 def test_a_float16_mamba2_model_prefills_through_the_chunked_ssd(triton_only, monkeypatch):
     """A half-precision Mamba-2 model's prompt through the chunked SSD: the logits of the scan's path, and greedy
     tokens decoded on from the state it leaves in the cache equal to the scan's."""
-    from samba_hf import triton_scan_samba
-
     calls = counted_chunked_ssd(monkeypatch)
     model = tiny_mamba2(seed=4).half()
     ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(4))
     results = []
     for minimum in (16, 10**9):  # the chunked SSD, then the scan alone
-        monkeypatch.setattr(triton_scan_samba, "SSD_MIN_TOKENS", minimum)
+        monkeypatch.setattr(ssm_samba, "SSD_MIN_TOKENS", minimum)
         with torch.no_grad():
             logits = model(ids).logits.float()
             tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
@@ -339,7 +337,7 @@ def test_a_long_inference_scan_runs_in_segments_joined_exactly(triton_only, monk
 
     monkeypatch.setattr(triton_scan_samba, "MIN_SEGMENT", 8)  # tiny segments, so that tiny inputs have several
     monkeypatch.setattr(triton_scan_samba, "PROGRAMS_PER_SM", 64)
-    monkeypatch.setattr(triton_scan_samba, "SSD_MIN_TOKENS", 10**9)  # Mamba-2's bf16 prompts: the scan, not chunks
+    monkeypatch.setattr(ssm_samba, "SSD_MIN_TOKENS", 10**9)  # Mamba-2's bf16 prompts: the scan, not chunks
     segments = []
     real = triton_scan_samba._segments
     monkeypatch.setattr(triton_scan_samba, "_segments", lambda *a: segments.append(real(*a)) or segments[-1])

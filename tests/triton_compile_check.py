@@ -137,7 +137,7 @@ def variants(t):
 
 
 def ssd_variants(t):
-    """(kernel, description, pointer types, constexprs) for every launch of the chunked SSD (`_ssd_chunked`): Mamba-2
+    """(kernel, description, pointer types, constexprs) for every launch of the chunked SSD (`ssd_chunked_triton`): Mamba-2
     layouts' head_dim and d_state, bf16 and fp16, from zero and from a state."""
     for (name, head_dim, groups, a_per_head, d_inner, d_state), dtype in itertools.product(LAYOUTS, ("bf16", "fp16")):
         if not a_per_head:

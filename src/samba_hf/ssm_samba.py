@@ -89,6 +89,7 @@ class Kernels(typing.NamedTuple):
 
     selective_scan_triton: Callable | None  # samba-hf's own (triton_scan_samba.py): needs only Triton
     ssd_scan_triton: Callable | None  # the same kernel over Mamba-2's heads
+    ssd_chunked_triton: Callable | None  # samba-hf's chunked SSD: Mamba-2 inference in half precision
     causal_conv_triton: Callable | None  # samba-hf's own (triton_conv_samba.py): needs only Triton
     selective_scan_fn: Callable | None  # mamba-ssm, compiled CUDA (its extension `selective_scan_cuda`)
     selective_state_update: Callable | None  # mamba-ssm, Triton: one token, Mamba-1 and Mamba-2
@@ -151,11 +152,11 @@ def load_kernels() -> Kernels:
         return causal_conv1d_fn, causal_conv1d_update
 
     def triton_scans():
-        from .triton_scan_samba import selective_scan_triton, ssd_scan_triton
+        from .triton_scan_samba import selective_scan_triton, ssd_chunked_triton, ssd_scan_triton
 
         if INTERPRET_KERNELS or torch.cuda.is_available():
             _check_scan(selective_scan_triton, "cpu" if INTERPRET_KERNELS else "cuda")
-        return selective_scan_triton, ssd_scan_triton
+        return selective_scan_triton, ssd_scan_triton, ssd_chunked_triton
 
     def triton_conv():
         from .triton_conv_samba import causal_conv_triton
@@ -164,7 +165,7 @@ def load_kernels() -> Kernels:
             _check_conv(causal_conv_triton, "cpu" if INTERPRET_KERNELS else "cuda")
         return (causal_conv_triton,)
 
-    attempt(["selective_scan_triton", "ssd_scan_triton"], triton_scans)
+    attempt(["selective_scan_triton", "ssd_scan_triton", "ssd_chunked_triton"], triton_scans)
     attempt(["causal_conv_triton"], triton_conv)
     attempt(["selective_scan_fn"], cuda_scan)
     attempt(["selective_state_update"],
@@ -183,11 +184,8 @@ def _check_scan(scan, device: str):
     g = torch.Generator(device=device).manual_seed(0)
     u, dt, B, C = (torch.rand(1, 3, 4, device=device, generator=g) for _ in range(4))
     A, h0 = -torch.rand(4, 4, device=device, generator=g), torch.rand(1, 4, 4, device=device, generator=g)
-    y, h = scan(u, dt, A, B, C, None, None, h0)
-    y_ref, h_ref = selective_scan_pytorch(u, dt, A, B, C, None, None, h0)
-    if not (torch.allclose(y, y_ref, atol=1e-4) and torch.allclose(h, h_ref, atol=1e-4)):
-        where = torch.cuda.get_device_name() if device == "cuda" else device
-        raise RuntimeError(f"it gives other numbers than the PyTorch scan on {where}")
+    results = zip(scan(u, dt, A, B, C, None, None, h0), selective_scan_pytorch(u, dt, A, B, C, None, None, h0))
+    _require_agreement(results, 1e-4, "the PyTorch scan", u.device)
 
 
 def _check_conv(conv, device: str):
@@ -195,9 +193,44 @@ def _check_conv(conv, device: str):
     where it cannot compile, or compiles wrongly, it is then left out (said once). Raises a RuntimeError saying so."""
     g = torch.Generator(device=device).manual_seed(0)
     window, weight, bias = (torch.rand(*shape, device=device, generator=g) for shape in ((1, 5, 7), (5, 4), (5,)))
-    if not torch.allclose(conv(window, weight, bias, 4), depthwise_causal_conv(weight, bias, window, 4), atol=1e-5):
-        where = torch.cuda.get_device_name() if device == "cuda" else device
-        raise RuntimeError(f"it gives other numbers than the PyTorch conv on {where}")
+    results = [(conv(window, weight, bias, 4), depthwise_causal_conv(weight, bias, window, 4))]
+    _require_agreement(results, 1e-5, "the PyTorch conv", window.device)
+
+
+def _check_chunked_ssd(kernels: Kernels, x, B, D, h0):
+    """Before the chunked SSD's first prompt in a compiled variant (`triton_scan_samba.ssd_chunked_variant`): a
+    small problem of the caller's dtype, device, head size and states, with D and a starting state where the caller
+    has them (two chunks and a part, two groups of two heads), through it and through samba-hf's Triton scan, which
+    multiplies no matrices. Raises a RuntimeError where it gives other numbers (a GPU or Triton release compiling it
+    wrongly)."""
+    from .triton_scan_samba import SSD_CHUNK
+
+    dtype, device, head_dim, d_state = x.dtype, x.device, x.shape[3], B.shape[3]
+    g = torch.Generator(device=device).manual_seed(0)
+    batch, length, heads, groups = 1, 2 * SSD_CHUNK + 5, 4, 2
+
+    def rand(*shape):
+        return torch.rand(*shape, device=device, generator=g)
+
+    x, B, C = ((rand(*shape) - 0.5).to(dtype) for shape in ((batch, length, heads, head_dim),
+                                                             (batch, length, groups, d_state),
+                                                             (batch, length, groups, d_state)))
+    dt, A = rand(batch, length, heads) * 0.5, -rand(heads) - 0.1
+    D = None if D is None else rand(heads)
+    h0 = None if h0 is None else rand(batch, heads, head_dim, d_state)
+    results = zip(kernels.ssd_chunked_triton(x, dt, A, B, C, D, h0), kernels.ssd_scan_triton(x, dt, A, B, C, D, h0))
+    # products of 8 / 11 bits; a wrong kernel is off by far more
+    _require_agreement(results, 6e-2 if dtype == torch.bfloat16 else 1e-2, "the scan", device)
+
+
+def _require_agreement(results, tolerance: float, reference: str, device: torch.device):
+    """For the load-time checks: every (got, want) pair within `tolerance` of the larger of 1 and want's largest
+    value, or a RuntimeError naming the reference and the device."""
+    for got, want in results:
+        got, want = got.float(), want.float()
+        if not (got - want).abs().max() <= tolerance * want.abs().max().clamp(min=1):
+            where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+            raise RuntimeError(f"it gives other numbers than {reference} on {where}")
 
 
 def _fallback(kernel: str, runs: str, install: str):
@@ -333,8 +366,9 @@ def ssd_scan(
     Shapes: x (batch, seq, heads, head_dim); dt (batch, seq, heads), after softplus (a zero step skips a padded
     position); A, D (heads,); B, C (batch, seq, groups, d_state); h0 (batch, heads, head_dim, d_state) or None.
     Returns y (batch, seq, heads, head_dim) in x's dtype and the last state in float32. On CUDA with mamba-ssm:
-    `mamba_chunk_scan_combined` (any length, from h0 too) and `selective_state_update` (one token from h0);
-    elsewhere `ssd_scan_pytorch`.
+    `mamba_chunk_scan_combined` (any length, from h0 too) and `selective_state_update` (one token from h0); with
+    Triton alone samba-hf's chunked SSD for inference on a half-precision prompt (`_takes_chunked_ssd`), its scan
+    over heads otherwise; elsewhere `ssd_scan_pytorch`.
     """
     if _kernel_device(x):
         kernels = load_kernels()
@@ -349,10 +383,49 @@ def ssd_scan(
             )
             return y.to(x.dtype), last.float()
         if kernels.ssd_scan_triton is not None:
+            if kernels.ssd_chunked_triton is not None and _takes_chunked_ssd(x, dt, A, B, C, D, h0):
+                results = _chunked_ssd(kernels, x, dt, A, B, C, D, h0)
+                if results is not None:
+                    return results
             return kernels.ssd_scan_triton(x, dt, A, B, C, D, h0)
         _fallback("ssd_scan_triton", "the Mamba-2 scan runs in PyTorch, a chunk at a time",
                   _INSTALL_TRITON)
     return ssd_scan_pytorch(x, dt, A, B, C, D, h0, chunk_size)
+
+
+# Mamba-2 inference in bf16 / fp16 on at least SSD_MIN_TOKENS tokens takes samba-hf's chunked SSD; the decoding step,
+# a gradient, float32 (its products would be TF32, or spill: ptxas, 6-38 KB a thread) and torch.compile the scan.
+SSD_MIN_TOKENS = 16
+_CHUNKED_SSD_CHECKED: set = set()  # the compiled variants that passed `_check_chunked_ssd`, in this process
+_CHUNKED_SSD_FAILED: set = set()  # the dtypes the chunked SSD failed in (the scan serves them, said once)
+
+
+def _takes_chunked_ssd(x, dt, A, B, C, D, h0) -> bool:
+    """Whether a Mamba-2 scan on CUDA takes samba-hf's chunked SSD (see SSD_MIN_TOKENS)."""
+    wants_gradient = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, dt, A, B, C, D, h0))
+    return (x.shape[1] >= SSD_MIN_TOKENS and x.dtype in (torch.bfloat16, torch.float16) and not wants_gradient
+            and x.dtype not in _CHUNKED_SSD_FAILED and not compiling())
+
+
+def _chunked_ssd(kernels: Kernels, x, dt, A, B, C, D, h0):
+    """The chunked SSD's results, each compiled variant checked once before its first prompt (`_check_chunked_ssd`);
+    None where it fails or differs: the scan then serves that dtype, said once."""
+    from .triton_scan_samba import ssd_chunked_variant
+
+    try:
+        variant = ssd_chunked_variant(x, B, D, h0)
+        if variant not in _CHUNKED_SSD_CHECKED:
+            _check_chunked_ssd(kernels, x, B, D, h0)
+            _CHUNKED_SSD_CHECKED.add(variant)
+        return kernels.ssd_chunked_triton(x, dt, A, B, C, D, h0)
+    except Exception as error:  # a GPU whose compiler takes no products in this dtype (bf16 before sm_80), or
+        # compiles them wrongly
+        _CHUNKED_SSD_FAILED.add(x.dtype)
+        logger.warning_once(
+            f"samba-hf: the chunked SSD does not run in {x.dtype} here ({type(error).__name__}: "
+            f"{str(error).strip()[:300]}); Mamba-2 prompts in it take samba-hf's Triton scan instead (slower, the "
+            "same numbers)")
+        return None
 
 
 def ssd_scan_pytorch(x, dt, A, B, C, D=None, h0=None, chunk_size=128) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,8 @@ torch runs on (torch's CUDA wheels bring Triton: nothing to compile, nothing els
 Mamba: every channel has its own dt and its own row of A; B and C are shared by all channels. Mamba-2 (SSD) is the
 same recurrence over heads * head_dim channels where a head's channels share one dt, one A (for every state) and
 one D, and a group of heads shares B and C (`ssd_scan_triton`; no z, the mixer gates in its norm).
+For Mamba-2 inference in half precision `ssd_chunked_triton` takes the SSD in its chunked matrix form instead, its
+products on the tensor cores (`_ssd_chunked_forward`; forward only).
 
 One program per (sequence, block of BLOCK_D channels) walks the sequence in order, holding its channels' states
 (BLOCK_D x d_state, float32) in registers: no (tokens x channels x states) tensor is ever built, and the inputs are
@@ -704,19 +706,13 @@ def selective_scan_triton(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torc
     return _run(layout, u, dt, A, B[:, :, None], C[:, :, None], D, z, h0)
 
 
-# Mamba-2 inference in bf16 / fp16 on at least SSD_MIN_TOKENS tokens takes the chunked SSD (`_ssd_chunked_forward`),
-# SSD_CHUNK tokens a chunk and SSD_BLOCK_P channels of a head a program; fewer tokens (the decoding step), a
-# gradient, float32 (its products would be TF32, or spill: ptxas, 6-38 KB a thread) or torch.compile take the scan.
+# The chunked SSD's launch (`ssd_chunked_triton`): SSD_CHUNK tokens a chunk, SSD_BLOCK_P channels of a head a program.
 # 32 x 32 with 8 warps: 255 registers a thread and no spills for the 8B's 64 x 128 heads on sm_80 and sm_90
-# (ptxas, Triton 3.9; chunks of 64 spill), not yet timed on a GPU.
-SSD_MIN_TOKENS = 16
+# (ptxas, Triton 3.9; chunks of 64 spill), not yet timed on a GPU. Which Mamba-2 calls take it is decided in
+# `ssm_samba.ssd_scan`.
 SSD_CHUNK = 32
 SSD_BLOCK_P = 32
 SSD_NUM_WARPS = 8
-
-
-_CHUNKED_SSD_FAILED: set = set()  # the dtypes the chunked SSD failed in (the scan runs instead, said once)
-_CHUNKED_SSD_CHECKED: set = set()  # the compiled variants that passed `_check_chunked_ssd`, in this process
 
 
 def _ssd_blocks(head_dim: int, d_state: int) -> tuple[int, int]:
@@ -725,8 +721,14 @@ def _ssd_blocks(head_dim: int, d_state: int) -> tuple[int, int]:
     return min(SSD_BLOCK_P, max(16, triton.next_power_of_2(head_dim))), max(16, triton.next_power_of_2(d_state))
 
 
-def _ssd_chunked(x, dt, A, B, C, D, h0):
-    """The chunked SSD's launch: arguments and results of `ssd_scan_triton`, no gradient."""
+def ssd_chunked_variant(x, B, D, h0) -> tuple:
+    """What a call's compiled chunked SSD depends on: the dtype and device, the block sizes, whether D and h0 come."""
+    return x.dtype, x.device, *_ssd_blocks(x.shape[3], B.shape[3]), D is not None, h0 is not None
+
+
+def ssd_chunked_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's scan for inference on a bf16 / fp16 CUDA tensor, in chunks (`_ssd_chunked_forward`): the arguments
+    and results of `ssd_scan_triton`, no gradient. Products in x's dtype, accumulated in float32."""
     batch, seq_len, heads, head_dim = x.shape
     groups, d_state = B.shape[2:]
     x, dt, B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dt, B, C))
@@ -744,70 +746,14 @@ def _ssd_chunked(x, dt, A, B, C, D, h0):
     return y, h
 
 
-def _chunked_ssd_variant(x, B, D, h0) -> tuple:
-    """What a call's compiled chunked SSD depends on: the dtype and device, the block sizes, whether D and h0 come."""
-    return x.dtype, x.device, *_ssd_blocks(x.shape[3], B.shape[3]), D is not None, h0 is not None
-
-
-def _check_chunked_ssd(x, B, D, h0):
-    """Before the chunked SSD's first prompt in a compiled variant (`_chunked_ssd_variant`): a small problem of the
-    caller's dtype, device, head size and states, with D and a starting state where the caller has them (two chunks
-    and a part, two groups of two heads), through it and through the scan, which multiplies no matrices. Where a GPU
-    or a Triton release compiles it wrongly, raises a RuntimeError saying so (and the scan serves, said once), as the
-    scan and the conv are checked when they load (`ssm_samba._check_scan`)."""
-    dtype, device, head_dim, d_state = x.dtype, x.device, x.shape[3], B.shape[3]
-    g = torch.Generator(device=device).manual_seed(0)
-    batch, length, heads, groups = 1, 2 * SSD_CHUNK + 5, 4, 2
-
-    def rand(*shape):
-        return torch.rand(*shape, device=device, generator=g)
-
-    x, B, C = ((rand(*shape) - 0.5).to(dtype) for shape in ((batch, length, heads, head_dim),
-                                                             (batch, length, groups, d_state),
-                                                             (batch, length, groups, d_state)))
-    dt, A = rand(batch, length, heads) * 0.5, -rand(heads) - 0.1
-    D = None if D is None else rand(heads)
-    h0 = None if h0 is None else rand(batch, heads, head_dim, d_state)
-    results = zip(_ssd_chunked(x, dt, A, B, C, D, h0), _ssd_scan(x, dt, A, B, C, D, h0))
-    tolerance = 6e-2 if dtype == torch.bfloat16 else 1e-2  # products of 8 / 11 bits; a wrong kernel is off by far more
-    if not all((got.float() - want.float()).abs().max() <= tolerance * want.float().abs().max() for got, want in results):
-        where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        raise RuntimeError(f"it gives other numbers than the scan on {where}")
-
-
-def _ssd_scan(x, dt, A, B, C, D, h0):
-    """Mamba-2's scan as the selective scan over heads x head_dim channels: arguments and results of
-    `ssd_scan_triton`."""
+def ssd_scan_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's scan on a CUDA tensor (the arguments and results of `ssm_samba.ssd_scan_pytorch`, less the chunk
+    size), as the selective scan over heads x head_dim channels: x (batch, seq, heads, head_dim); dt (batch, seq,
+    heads); A, D (heads,); B, C (batch, seq, groups, d_state); h0 (batch, heads, head_dim, d_state). y in x's dtype,
+    the last state in float32; differentiable."""
     batch, seq_len, heads, head_dim = x.shape
     groups, d_state = B.shape[2:]
     layout = _Layout(heads * head_dim, d_state, head_dim=head_dim, groups=groups, a_per_head=True)
     h0 = None if h0 is None else h0.reshape(batch, heads * head_dim, d_state)
     y, h = _run(layout, x.reshape(batch, seq_len, heads * head_dim), dt, A, B, C, D, None, h0)
     return y.view(x.shape), h.view(batch, heads, head_dim, d_state)
-
-
-def ssd_scan_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mamba-2's scan on a CUDA tensor (the arguments and results of `ssm_samba.ssd_scan_pytorch`, less the chunk
-    size): x (batch, seq, heads, head_dim); dt (batch, seq, heads); A, D (heads,); B, C (batch, seq, groups,
-    d_state); h0 (batch, heads, head_dim, d_state). y in x's dtype, the last state in float32; differentiable.
-    Inference on a half-precision prompt takes the chunked SSD (each compiled variant checked once first,
-    `_check_chunked_ssd`); the rest the scan over heads x head_dim channels."""
-    half = x.dtype in (torch.bfloat16, torch.float16)
-    if (x.shape[1] >= SSD_MIN_TOKENS and half and not _wants_gradient(x, dt, A, B, C, D, h0)
-            and x.dtype not in _CHUNKED_SSD_FAILED and not torch.compiler.is_compiling()):
-        try:
-            variant = _chunked_ssd_variant(x, B, D, h0)
-            if variant not in _CHUNKED_SSD_CHECKED:
-                _check_chunked_ssd(x, B, D, h0)
-                _CHUNKED_SSD_CHECKED.add(variant)
-            return _ssd_chunked(x, dt, A, B, C, D, h0)
-        except Exception as error:  # a GPU whose compiler takes no products in this dtype (bf16 before sm_80), or
-            # compiles them wrongly
-            _CHUNKED_SSD_FAILED.add(x.dtype)
-            from transformers.utils import logging
-
-            logging.get_logger(__name__).warning_once(
-                f"samba-hf: the chunked SSD does not run in {x.dtype} here ({type(error).__name__}: "
-                f"{str(error).strip()[:300]}); Mamba-2 prompts in it take samba-hf's Triton scan instead (slower, the "
-                "same numbers)")
-    return _ssd_scan(x, dt, A, B, C, D, h0)
