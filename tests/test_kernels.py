@@ -358,6 +358,46 @@ def test_a_long_inference_scan_runs_in_segments_joined_exactly(triton_only, monk
     assert len(segments) == 2 and min(segments) >= 4, segments
 
 
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_a_long_training_scan_is_walked_back_in_segments_exactly(triton_only, monkeypatch, kind):
+    """A long sequence with a gradient to come: the forward scans segments of whole chunks at once and joins them,
+    the state kept before each chunk made whole too; the backward walks the segments back at once, each from the
+    gradient of the state after it (what the later segments' outputs give, `_carry_segments`, joined from the last
+    segment to the first). Every value and gradient equals float64's, for Mamba and Mamba-2, from a state, with the
+    last state's gradient, the last segment and its chunk cut short."""
+    from samba_hf import triton_scan_samba
+
+    monkeypatch.setattr(triton_scan_samba, "CHUNK", 8)  # tiny chunks and segments, so that 50 tokens have several
+    monkeypatch.setattr(triton_scan_samba, "MIN_SEGMENT", 8)
+    monkeypatch.setattr(triton_scan_samba, "PROGRAMS_PER_SM", 64)
+    lengths, segments = [], []
+    real_length, real_carries = triton_scan_samba._segment_len, triton_scan_samba._backward_carries
+    monkeypatch.setattr(triton_scan_samba, "_segment_len", lambda *a, **k: lengths.append(real_length(*a, **k))
+                        or lengths[-1])
+    monkeypatch.setattr(triton_scan_samba, "_backward_carries", lambda *a: segments.append(a[-2:])
+                        or real_carries(*a))
+    if kind == "mamba":
+        names, inputs = ("u", "dt", "A", "B", "C", "D", "z", "h0"), scan_inputs(length=50)
+        scan, reference_scan = ssm_samba.selective_scan, float64_recurrence
+    else:
+        names = ("x", "dt", "A", "B", "C", "D", "h0")
+        inputs = ssd_inputs(length=50, heads=6, head_dim=4, groups=3, d_state=5)  # blocks of channels across groups
+        scan, reference_scan = ssm_samba.ssd_scan, float64_ssd
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    y, h = scan(*leaves)
+    weights = torch.randn_like(y), torch.randn_like(h)
+    grads = torch.autograd.grad((y * weights[0]).sum() + (h * weights[1]).sum(), leaves)
+    reference = [t.detach().double().requires_grad_() for t in leaves]
+    y_ref, h_ref = reference_scan(*reference)
+    expected = torch.autograd.grad((y_ref * weights[0]).sum() + (h_ref * weights[1]).sum(), reference)
+    assert lengths == [16, 16] and segments == [(4, 16)], (lengths, segments)  # 4 of 16 (2 chunks), the last 2
+    assert_close(y, y_ref, 1e-5)
+    assert_close(h, h_ref, 1e-5)
+    for name, grad, want in zip(names, grads, expected):
+        assert grad.shape == want.shape, name
+        assert_close(grad, want, 1e-4)
+
+
 @pytest.mark.parametrize("tile_max", [1, 2, 16])
 def test_any_number_of_tokens_a_step_gives_the_float64_scan(triton_only, monkeypatch, tile_max):
     """The forward takes TILE tokens a step (an associative scan over them; 1: a token a step, the kernel the H100 run

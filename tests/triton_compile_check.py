@@ -72,7 +72,7 @@ def resources(ptx: str, arch: int) -> str:
 
 # The constant of triton_scan_samba.py that sets each kernel's warps (the others launch with Triton's 4).
 WARPS = {"_scan_forward": "NUM_WARPS", "_correct_segments": "NUM_WARPS", "_scan_backward": "NUM_WARPS",
-         "_ssd_chunked_forward": "SSD_NUM_WARPS"}
+         "_carry_segments": "NUM_WARPS", "_ssd_chunked_forward": "SSD_NUM_WARPS"}
 
 
 def compile_for(fn, target, pointers: dict, constants: dict, num_warps: int = 4) -> str:
@@ -106,8 +106,6 @@ def variants(t):
         mamba1 = not a_per_head
         for has_z, has_h0, keep, segmented in itertools.product((mamba1, False), (False, True), (False, True),
                                                                 (False, True)):
-            if keep and segmented:
-                continue
             constants = dict(base, HAS_D=True, HAS_Z=has_z, HAS_H0=has_h0, KEEP_CHECKPOINTS=keep, SEGMENTED=segmented)
             pointers = dict(u_ptr=dtype, dt_ptr="fp32", A_ptr="fp32", B_ptr=dtype, C_ptr=dtype, D_ptr="fp32",
                             z_ptr=dtype if has_z else None, h0_ptr="fp32" if has_h0 else None, y_ptr=dtype,
@@ -118,21 +116,27 @@ def variants(t):
             for tile in sorted({1, layout.tile}):  # one token (the decoding step), and the long prompts' step
                 constants = dict(constants, TILE=tile)
                 yield t._scan_forward, f"forward {name} {dtype} {constants}", pointers, constants
-        for has_z, grad_h in itertools.product((mamba1, False), (False, True)):
-            constants = dict(base, HAS_D=True, HAS_Z=has_z, HAS_GRAD_H=grad_h, TILE=layout.tile)
+        for has_z in {mamba1, False}:
+            constants = dict(base, HAS_D=True, HAS_Z=has_z, TILE=layout.tile)
             pointers = dict(u_ptr=dtype, dt_ptr="fp32", A_ptr="fp32", B_ptr=dtype, C_ptr=dtype, D_ptr="fp32",
                             z_ptr=dtype if has_z else None, checkpoints_ptr="fp32", scratch_ptr="fp32",
-                            grad_y_ptr=dtype, grad_h_ptr="fp32" if grad_h else None, grad_u_ptr="fp32",
+                            grad_y_ptr=dtype, carry_in_ptr="fp32", grad_u_ptr="fp32",
                             grad_dt_ptr="fp32", grad_A_ptr="fp32", grad_B_ptr="fp32", grad_C_ptr="fp32",
                             grad_D_ptr="fp32", grad_z_ptr="fp32" if has_z else None, grad_h0_ptr="fp32")
             yield t._scan_backward, f"backward {name} {dtype} {constants}", pointers, constants
+            constants = dict(HEAD_DIM=head_dim, A_PER_HEAD=a_per_head, ONE_GROUP=layout.one_group, HAS_Z=has_z,
+                             BLOCK_D=layout.block_d, BLOCK_N=layout.block_n, TILE=layout.tile)
+            pointers = dict(dt_ptr="fp32", A_ptr="fp32", C_ptr=dtype, z_ptr=dtype if has_z else None,
+                            grad_y_ptr=dtype, ends_ptr="fp32", elapsed_ptr="fp32")
+            yield t._carry_segments, f"carry segments {name} {dtype} {constants}", pointers, constants
         shared = dict(HEAD_DIM=head_dim, A_PER_HEAD=a_per_head, BLOCK_D=layout.block_d, BLOCK_N=layout.block_n)
         yield (t._join_segments, f"join {name}", dict(A_ptr="fp32", ends_ptr="fp32", elapsed_ptr="fp32",
                                                       starts_ptr="fp32", h_ptr="fp32"), shared)
-        for has_z in {mamba1, False}:
-            constants = dict(shared, ONE_GROUP=layout.one_group, HAS_Z=has_z, TILE=layout.tile)
+        for has_z, keep in itertools.product({mamba1, False}, (False, True)):
+            constants = dict(shared, ONE_GROUP=layout.one_group, HAS_Z=has_z, KEEP_CHECKPOINTS=keep, CHUNK=t.CHUNK,
+                             TILE=layout.tile)
             pointers = dict(dt_ptr="fp32", A_ptr="fp32", C_ptr=dtype, z_ptr=dtype if has_z else None,
-                            starts_ptr="fp32", y_ptr="fp32")
+                            starts_ptr="fp32", y_ptr="fp32", checkpoints_ptr="fp32" if keep else None)
             yield t._correct_segments, f"correct {name} {dtype} {constants}", pointers, constants
 
 

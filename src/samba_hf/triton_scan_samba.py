@@ -18,18 +18,21 @@ on memory once a tile rather than once a token (one token a step, the H100 run's
 4K, 25x what moving its tensors takes). A zero step (dt = 0, padding) leaves the state as it was. The same kernel
 with one token is the decoding step.
 
-With few sequences and channel blocks that leaves most of a GPU waiting on one long walk, so for inference a long
-sequence is cut into segments scanned at once from zero, then joined exactly: `_join_segments` finds each
-segment's true starting state from the ends of those before it (the recurrence is linear in the state), and
-`_correct_segments` adds what that state contributes to the segment's outputs.
+With few sequences and channel blocks that leaves most of a GPU waiting on one long walk, so a long sequence is
+cut into segments scanned at once from zero, then joined exactly: `_join_segments` finds each segment's true
+starting state from the ends of those before it (the recurrence is linear in the state), and `_correct_segments`
+adds what that state contributes to the segment's outputs.
 
 For the backward the forward also keeps the state before every CHUNK-th token (`checkpoints`, batch x
-tokens/CHUNK x channels x d_state: 1/CHUNK of what a naive backward keeps). The backward walks the chunks from the
-last: it recomputes a chunk's states from its checkpoint into a scratch of CHUNK + 1 states per program (bounded,
-whatever the length), then goes back through them a tile at a time, each tile's tokens read from its last, so that
-the gradient of the state (carry_t = grad_t C_t + exp(dt_{t+1} A) carry_{t+1}) is the same associative scan as the
-forward's (no reversed scan: Triton's `reverse=True` has had wrong results reported). The gradients of B and C,
-sums over channels, are added across programs atomically (float32).
+tokens/CHUNK x channels x d_state: 1/CHUNK of what a naive backward keeps; segments are then whole chunks, and
+`_correct_segments` makes their checkpoints whole too). The backward walks a segment's chunks from the last: it
+recomputes a chunk's states from its checkpoint into a scratch of CHUNK + 1 states per program (bounded, whatever
+the length), then goes back through them a tile at a time, each tile's tokens read from its last, so that the
+gradient of the state (carry_t = grad_t C_t + exp(dt_{t+1} A) carry_{t+1}) is the same associative scan as the
+forward's (no reversed scan: Triton's `reverse=True` has had wrong results reported). The segments are walked back
+at once: only that gradient runs across them, and it is linear too, so `_carry_segments` finds what each
+segment's outputs give it from zero and `_join_segments` carries it from the last segment to the first, before
+the walk. The gradients of B and C, sums over channels, are added across programs atomically (float32).
 
 Under torch.compile the scan is the operator `torch.ops.samba_hf.scan_triton` (`_operator`), so a compiled decoding
 step stays one graph (CUDA graphs). `ssm_samba.selective_scan` / `ssd_scan` call these on CUDA where mamba-ssm's
@@ -161,7 +164,9 @@ def _scan_forward(
     """Program (sequence b, channel block, segment s) scans tokens [s * segment_len, (s + 1) * segment_len), from h0
     in the first segment and from zero in the others (`_join_segments` and `_correct_segments` then add what the
     true starting state contributes), and leaves its last state in h[b, s] (h: (batch, segments, channels,
-    d_state)) and, SEGMENTED, the sum of its steps in elapsed[b, s] ((batch, segments, channels))."""
+    d_state)) and, SEGMENTED, the sum of its steps in elapsed[b, s] ((batch, segments, channels)). KEEP_CHECKPOINTS:
+    the state before each chunk of CHUNK tokens too, into checkpoints (batch, chunks, channels, d_state); segments
+    are then whole chunks."""
     b = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a batch of long sequences passes 2**31 elements
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     segment = tl.program_id(2)
@@ -181,8 +186,9 @@ def _scan_forward(
     start = segment.to(tl.int64) * segment_len
     end = tl.minimum(start + segment_len, seq_len)
     for c in range(0, tl.cdiv(end - start, CHUNK)):
-        if KEEP_CHECKPOINTS:  # (batch, chunks, channels, d_state); one segment only
-            tl.store(checkpoints_ptr + (b * tl.cdiv(seq_len, CHUNK) + c) * d_inner * d_state + dn, h, mask=dn_ok)
+        if KEEP_CHECKPOINTS:  # (after a segment's start, its share: `_correct_segments` adds the rest)
+            chunk = start // CHUNK + c
+            tl.store(checkpoints_ptr + (b * tl.cdiv(seq_len, CHUNK) + chunk) * d_inner * d_state + dn, h, mask=dn_ok)
         chunk_end = tl.minimum(start + c * CHUNK + CHUNK, end)
         for first in range(start + c * CHUNK, chunk_end, TILE):
             # TILE tokens a step: their inputs loaded at once, their states by an associative scan over the tile
@@ -238,14 +244,16 @@ def _join_segments(
 
 @triton.jit
 def _correct_segments(
-    dt_ptr, A_ptr, C_ptr, z_ptr, starts_ptr, y_ptr,
+    dt_ptr, A_ptr, C_ptr, z_ptr, starts_ptr, y_ptr, checkpoints_ptr,
     seq_len, d_inner, d_state, channels_per_group, segment_len,
     stride_dt_b, stride_dt_t, stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_y_b, stride_y_t,
     HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_Z: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
+    KEEP_CHECKPOINTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     """y_t += <g_t, C_t> (gated) over segment s + 1, where g starts at the segment's true starting state and decays
-    as the state does (g_t = exp(dt_t A) g_{t-1}): what that state adds to the zero-start scan of `_scan_forward`."""
+    as the state does (g_t = exp(dt_t A) g_{t-1}): what that state adds to the zero-start scan of `_scan_forward`.
+    KEEP_CHECKPOINTS: g is added to the state kept before each of the segment's chunks too."""
     b = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a batch of long sequences passes 2**31 elements
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     segment = tl.program_id(2) + 1
@@ -260,6 +268,10 @@ def _correct_segments(
     start = segment.to(tl.int64) * segment_len
     end = tl.minimum(start + segment_len, seq_len)
     for first in range(start, end, TILE):
+        if KEEP_CHECKPOINTS:  # a chunk starts here (segments are whole chunks, and a tile divides a chunk)
+            if (first - start) % CHUNK == 0:
+                at = checkpoints_ptr + (b * tl.cdiv(seq_len, CHUNK) + first // CHUNK) * d_inner * d_state + dn
+                tl.store(at, tl.load(at, mask=dn_ok, other=0.0) + g, mask=dn_ok)
         t = first + tl.arange(0, TILE)
         t_ok = t < end
         dt = _load_rows(dt_ptr, b, t, t_ok, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)  # (TILE, BLOCK_D)
@@ -279,20 +291,24 @@ def _correct_segments(
 
 @triton.jit
 def _scan_backward(
-    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, checkpoints_ptr, scratch_ptr, grad_y_ptr, grad_h_ptr,
+    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, checkpoints_ptr, scratch_ptr, grad_y_ptr, carry_in_ptr,
     grad_u_ptr, grad_dt_ptr, grad_A_ptr, grad_B_ptr, grad_C_ptr, grad_D_ptr, grad_z_ptr, grad_h0_ptr,
-    seq_len, d_inner, d_state, channels_per_group, groups,
+    seq_len, d_inner, d_state, channels_per_group, groups, segment_len,
     stride_u_b, stride_u_t, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
     stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_gy_b, stride_gy_t, stride_g_b, stride_g_t,
     HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_GRAD_H: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
 ):
-    """Gradients, per program (sequence b, channel block): u, dt (per channel), z, h0: its own entries; A, D: per
-    sequence and channel, (batch, channels, d_state or 1) and (batch, channels), summed by the caller; B, C: added
-    atomically into (batch, seq, groups, d_state)."""
+    """Gradients, per program (sequence b, channel block, segment s of segment_len tokens, whole chunks), from the
+    gradient of the state after the segment's last token, carry_in[b, s] ((batch, segments, channels, d_state):
+    `_carry_segments` and `_join_segments` find it for all but the last): u, dt (per channel), z: its own entries;
+    h0: the first segment's; A, D: per sequence, segment and channel, (batch, segments, channels, d_state or 1) and
+    (batch, segments, channels), summed by the caller; B, C: added atomically into (batch, seq, groups, d_state)."""
     b = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a batch of long sequences passes 2**31 elements
     block = tl.program_id(1)
+    segment = tl.program_id(2)
+    segments = tl.num_programs(2)
     d = block * BLOCK_D + tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
     d_ok, n_ok = d < d_inner, n < d_state
@@ -307,16 +323,15 @@ def _scan_backward(
         grad_A = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
     if HAS_D:
         D = tl.load(D_ptr + d // HEAD_DIM, mask=d_ok, other=0.0).to(tl.float32)
-    state_offset = b * d_inner * d_state + dn
-    scratch = scratch_ptr + (b * tl.num_programs(1) + block) * (CHUNK + 1) * BLOCK_D * BLOCK_N
-    if HAS_GRAD_H:
-        carry = tl.load(grad_h_ptr + state_offset, mask=dn_ok, other=0.0).to(tl.float32)
-    else:
-        carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    program = (b * tl.num_programs(1) + block) * segments + segment
+    scratch = scratch_ptr + program * (CHUNK + 1) * BLOCK_D * BLOCK_N
+    carry = tl.load(carry_in_ptr + (b * segments + segment) * d_inner * d_state + dn, mask=dn_ok, other=0.0)
     grad_D = tl.zeros((BLOCK_D,), dtype=tl.float32)
     chunks = tl.cdiv(seq_len, CHUNK)
-    for reverse in range(0, chunks):
-        c = chunks - 1 - reverse
+    first_chunk = segment * (segment_len // CHUNK)
+    last_chunk = tl.minimum(first_chunk + segment_len // CHUNK, chunks) - 1
+    for reverse in range(0, last_chunk - first_chunk + 1):
+        c = last_chunk - reverse
         start = c.to(tl.int64) * CHUNK
         end = tl.minimum(start + CHUNK, seq_len)
         # the chunk's states, recomputed from its checkpoint a tile at a time: scratch[k] = the state before token
@@ -391,13 +406,64 @@ def _scan_backward(
                                     seq_len, groups, d_state, ONE_GROUP)
             carry = _last(carries * decay, TILE)  # the gradient of the state before the tile's first token
         tl.debug_barrier()
-    tl.store(grad_h0_ptr + state_offset, carry, mask=dn_ok)
+    if segment == 0:
+        tl.store(grad_h0_ptr + b * d_inner * d_state + dn, carry, mask=dn_ok)
     if A_PER_HEAD:
-        tl.store(grad_A_ptr + b * d_inner + d, grad_A, mask=d_ok)
+        tl.store(grad_A_ptr + (b * segments + segment) * d_inner + d, grad_A, mask=d_ok)
     else:
-        tl.store(grad_A_ptr + b * d_inner * d_state + dn, grad_A, mask=dn_ok)
+        tl.store(grad_A_ptr + (b * segments + segment) * d_inner * d_state + dn, grad_A, mask=dn_ok)
     if HAS_D:
-        tl.store(grad_D_ptr + b * d_inner + d, grad_D, mask=d_ok)
+        tl.store(grad_D_ptr + (b * segments + segment) * d_inner + d, grad_D, mask=d_ok)
+
+
+@triton.jit
+def _carry_segments(
+    dt_ptr, A_ptr, C_ptr, z_ptr, grad_y_ptr, ends_ptr, elapsed_ptr,
+    seq_len, d_inner, d_state, channels_per_group, segment_len,
+    stride_dt_b, stride_dt_t, stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_gy_b, stride_gy_t,
+    HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_Z: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
+):
+    """For a segmented backward, program (sequence b, channel block, segment s = 1, 2, ...): the gradient of the
+    state before the segment's first token that its own outputs give, from zero after its last token (the adjoint
+    recurrence carry_t = grad_t C_t + exp(dt_{t+1} A) carry_{t+1}, read only from dt, C, z and the output's
+    gradient: no state is needed), and the sum of its steps. Stored in reversed order, at slot segments - s of ends
+    (batch, segments, channels, d_state) and elapsed (batch, segments, channels), so that `_join_segments`, walking
+    its slots up, carries the gradient from the last segment down to the first."""
+    b = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a batch of long sequences passes 2**31 elements
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    segment = tl.program_id(2) + 1
+    segments = tl.num_programs(2) + 1
+    n = tl.arange(0, BLOCK_N)
+    d_ok, n_ok = d < d_inner, n < d_state
+    dn_ok = d_ok[:, None] & n_ok[None, :]
+    dn = d[:, None] * d_state + n[None, :]
+    group = _group(tl.program_id(1), d, channels_per_group, BLOCK_D, ONE_GROUP)
+    A = _load_A(A_ptr, d, dn, d_ok, dn_ok, HEAD_DIM, A_PER_HEAD)
+    start = segment.to(tl.int64) * segment_len
+    end = tl.minimum(start + segment_len, seq_len)
+    tiles = tl.cdiv(end - start, TILE)
+    carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    elapsed = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in range(0, tiles):  # a tile at a time from the last, each from its last token, as `_scan_backward` goes
+        last = start + (tiles - 1 - k) * TILE + TILE - 1
+        t = last - tl.arange(0, TILE)
+        t_ok = t < end
+        dt = _load_rows(dt_ptr, b, t, t_ok, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)  # (TILE, BLOCK_D)
+        C = _load_state_rows(C_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP)
+        grad = _load_rows(grad_y_ptr, b, t, t_ok, d, d_ok, stride_gy_b, stride_gy_t, 1)
+        if HAS_Z:
+            z = _load_rows(z_ptr, b, t, t_ok, d, d_ok, stride_z_b, stride_z_t, 1)
+            grad = grad * z * tl.sigmoid(z)  # the gradient of the output before the gate
+        after = t + 1
+        dt_after = _load_rows(dt_ptr, b, after, (after <= last) & (after < end), d, d_ok, stride_dt_b, stride_dt_t,
+                              HEAD_DIM)
+        carries = _scan_tile(_decays(dt_after, A, A_PER_HEAD), grad[:, :, None] * C, carry, TILE, BLOCK_D, BLOCK_N)
+        carry = _last(carries * _decays(dt, A, A_PER_HEAD), TILE)
+        elapsed += tl.sum(dt, axis=0)
+    slot = segments - segment
+    tl.store(ends_ptr + (b * segments + slot) * d_inner * d_state + dn, carry, mask=dn_ok)
+    tl.store(elapsed_ptr + (b * segments + slot) * d_inner + d, elapsed, mask=d_ok)
 
 
 @triton.jit
@@ -507,9 +573,10 @@ def _strides(x, n):
     return x.stride()[:n] if x is not None else (0,) * n
 
 
-# Segments: for inference, a long sequence is cut into segments scanned at once from zero, then joined (the time
-# parallelism a sequential scan lacks: with few sequences and channel blocks, most of the GPU would wait). Each
-# segment at least MIN_SEGMENT tokens; about PROGRAMS_PER_SM programs per multiprocessor in all.
+# Segments: a long sequence is cut into segments scanned at once from zero, then joined (the time parallelism a
+# sequential scan lacks: with few sequences and channel blocks, most of the GPU would wait), and walked back at once
+# in the backward. Each segment at least MIN_SEGMENT tokens (whole chunks where there is a backward); about
+# PROGRAMS_PER_SM programs per multiprocessor in all.
 MIN_SEGMENT = 256
 PROGRAMS_PER_SM = 8
 
@@ -522,13 +589,18 @@ def _segments(layout, batch: int, seq_len: int, device: torch.device) -> int:
     return max(1, min(wanted, seq_len // MIN_SEGMENT))
 
 
+def _segment_len(layout, batch: int, seq_len: int, device: torch.device, whole_chunks: bool) -> int:
+    """Tokens a segment (`_segments`); whole_chunks: a multiple of CHUNK (the checkpoints' spacing)."""
+    length = -(-seq_len // _segments(layout, batch, seq_len, device))
+    return CHUNK * -(-length // CHUNK) if whole_chunks else length
+
+
 def _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
     """y (u's dtype), the last state and the checkpoints (float32; None unless keep_checkpoints). u, z (batch, seq,
     channels); dt (batch, seq, channels / head_dim); B, C (batch, seq, groups, d_state)."""
     batch, seq_len, d_inner = u.shape
     d_state = layout.d_state
-    segments = 1 if keep_checkpoints else _segments(layout, batch, seq_len, u.device)
-    segment_len = -(-seq_len // segments)
+    segment_len = _segment_len(layout, batch, seq_len, u.device, whole_chunks=keep_checkpoints)
     segments = max(1, -(-seq_len // segment_len))
     # segments: y in float32 until the correction is added, so that a half-precision y is rounded once
     y = torch.empty_like(u, dtype=torch.float32 if segments > 1 else u.dtype)
@@ -541,7 +613,7 @@ def _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
         seq_len, d_inner, d_state, layout.channels_per_group, segment_len,
         *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2), *_strides(y, 2),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_H0=h0 is not None, KEEP_CHECKPOINTS=keep_checkpoints,
-        SEGMENTED=segments > 1, **layout.constants(), TILE=layout.tile_for(segment_len), num_warps=NUM_WARPS,
+        SEGMENTED=segments > 1, **layout.constants(), TILE=layout.tile_for(min(segment_len, seq_len)), num_warps=NUM_WARPS,
     )
     if segments == 1:
         return y, ends[:, 0], checkpoints
@@ -551,45 +623,78 @@ def _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
                      BLOCK_N=layout.block_n)
     _join_segments[(batch, layout.blocks)](A, ends, elapsed, starts, h, segments, d_inner, d_state, **constants)
     _correct_segments[(batch, layout.blocks, segments - 1)](
-        dt, A, C, z, starts, y, seq_len, d_inner, d_state, layout.channels_per_group, segment_len,
+        dt, A, C, z, starts, y, checkpoints, seq_len, d_inner, d_state, layout.channels_per_group, segment_len,
         *_strides(dt, 2), *_strides(C, 3), *_strides(z, 2), *_strides(y, 2),
-        ONE_GROUP=layout.one_group, HAS_Z=z is not None, TILE=layout.tile_for(segment_len), **constants,
+        ONE_GROUP=layout.one_group, HAS_Z=z is not None, KEEP_CHECKPOINTS=keep_checkpoints, CHUNK=CHUNK,
+        TILE=layout.tile_for(min(segment_len, seq_len)), **constants, num_warps=NUM_WARPS,
+    )
+    return y.to(u.dtype), h, checkpoints
+
+
+def _backward_carries(layout, dt, A, C, z, grad_y, grad_h, segments: int, segment_len: int) -> torch.Tensor:
+    """The gradient of the state after each segment's last token, (batch, segments, channels, d_state): grad_h
+    (or zero) after the last; before that, what the later segments' outputs give (`_carry_segments`), carried back
+    through their decays (`_join_segments`, the forward's join, on the segments in reversed order)."""
+    batch, seq_len, d_inner = grad_y.shape
+    f32 = dict(dtype=torch.float32, device=grad_y.device)
+    ends = torch.empty(batch, segments, d_inner, layout.d_state, **f32)  # slot 0: grad_h; slot k: segment S - k's
+    ends[:, 0] = 0.0 if grad_h is None else grad_h
+    if segments == 1:
+        return ends
+    elapsed = torch.empty(batch, segments, d_inner, **f32)
+    constants = dict(HEAD_DIM=layout.head_dim, A_PER_HEAD=layout.a_per_head, BLOCK_D=layout.block_d,
+                     BLOCK_N=layout.block_n)
+    _carry_segments[(batch, layout.blocks, segments - 1)](
+        dt, A, C, z, grad_y, ends, elapsed, seq_len, d_inner, layout.d_state, layout.channels_per_group, segment_len,
+        *_strides(dt, 2), *_strides(C, 3), *_strides(z, 2), *_strides(grad_y, 2),
+        ONE_GROUP=layout.one_group, HAS_Z=z is not None, TILE=layout.tile_for(min(segment_len, seq_len)), **constants,
         num_warps=NUM_WARPS,
     )
-    return y.to(u.dtype), h, None
+    starts, first = torch.empty_like(ends), torch.empty(batch, d_inner, layout.d_state, **f32)
+    _join_segments[(batch, layout.blocks)](A, ends, elapsed, starts, first, segments, d_inner, layout.d_state,
+                                           **constants)
+    # slot k of starts holds what flows into segment S - k; the first segment's is the join's last state
+    return torch.cat([first[:, None], starts[:, 1:].flip(1)], dim=1)
 
 
 def _backward(layout, u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h):
-    """The gradients of (u, dt, A, B, C, D, z, h0); those of D and z are None where they were not given."""
+    """The gradients of (u, dt, A, B, C, D, z, h0); those of D and z are None where they were not given. A long
+    sequence is cut into segments of whole chunks, walked back at once, each from the gradient of the state after
+    it (`_backward_carries`): the checkpoints give every chunk's starting state, so only that gradient runs across
+    segments, and it is linear."""
     (batch, seq_len, d_inner), d_state = u.shape, layout.d_state
     grad_y = grad_y.contiguous()  # autograd may hand an expanded (stride-0) gradient
-    grad_h = None if grad_h is None else grad_h.float().contiguous()
+    grad_h = None if grad_h is None else grad_h.float()
+    segment_len = _segment_len(layout, batch, seq_len, u.device, whole_chunks=True)  # the forward's segments
+    segments = -(-seq_len // segment_len)
+    carry_in = _backward_carries(layout, dt, A, C, z, grad_y, grad_h, segments, segment_len)
     f32 = dict(dtype=torch.float32, device=u.device)
     grad_u, grad_dt = torch.empty(u.shape, **f32), torch.empty(u.shape, **f32)  # grad_dt per channel
     grad_z = torch.empty(u.shape, **f32) if z is not None else None
-    grad_A = torch.empty(batch, d_inner, *(() if layout.a_per_head else (d_state,)), **f32)
-    grad_D = torch.empty(batch, d_inner, **f32) if D is not None else None
+    grad_A = torch.empty(batch, segments, d_inner, *(() if layout.a_per_head else (d_state,)), **f32)
+    grad_D = torch.empty(batch, segments, d_inner, **f32) if D is not None else None
     grad_B = torch.zeros(batch, seq_len, layout.groups, d_state, **f32)
     grad_C = torch.zeros(batch, seq_len, layout.groups, d_state, **f32)
     grad_h0 = torch.empty(batch, d_inner, d_state, **f32)
-    scratch = torch.empty(batch * layout.blocks * (CHUNK + 1) * layout.block_d * layout.block_n, **f32)
-    _scan_backward[(batch, layout.blocks)](
-        u, dt, A, B, C, D, z, checkpoints, scratch, grad_y, grad_h,
+    scratch = torch.empty(batch * layout.blocks * segments * (CHUNK + 1) * layout.block_d * layout.block_n, **f32)
+    _scan_backward[(batch, layout.blocks, segments)](
+        u, dt, A, B, C, D, z, checkpoints, scratch, grad_y, carry_in,
         grad_u, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0,
-        seq_len, d_inner, d_state, layout.channels_per_group, layout.groups,
+        seq_len, d_inner, d_state, layout.channels_per_group, layout.groups, segment_len,
         *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2),
         *_strides(grad_y, 2), *_strides(grad_u, 2),  # grad_u, grad_dt and grad_z: contiguous (batch, seq, channels)
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_GRAD_H=grad_h is not None, **layout.constants(),
-        TILE=layout.tile_for(seq_len), num_warps=NUM_WARPS,
+        HAS_D=D is not None, HAS_Z=z is not None, **layout.constants(),
+        TILE=layout.tile_for(min(segment_len, seq_len)), num_warps=NUM_WARPS,
     )
     heads = d_inner // layout.head_dim
+    grad_A, grad_D = grad_A.sum((0, 1)), None if D is None else grad_D.sum((0, 1))
     return (
         grad_u.to(u.dtype),
         grad_dt.view(batch, seq_len, heads, layout.head_dim).sum(-1).to(dt.dtype),  # a head's channels share its dt
-        grad_A.sum(0).view(heads, -1).sum(-1) if layout.a_per_head else grad_A.sum(0),
+        grad_A.view(heads, -1).sum(-1) if layout.a_per_head else grad_A,
         grad_B.view(B.shape).to(B.dtype),
         grad_C.view(C.shape).to(C.dtype),
-        None if D is None else grad_D.sum(0).view(heads, layout.head_dim).sum(-1),
+        None if D is None else grad_D.view(heads, layout.head_dim).sum(-1),
         None if z is None else grad_z.to(z.dtype),
         grad_h0,
     )
