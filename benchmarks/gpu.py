@@ -443,9 +443,11 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
         return sum(e.count for e in events if any(name in e.key for name in names)) / steps
 
     # which of sdpa's kernels each attention call took (cuDNN's builds a graph per new key length; the H100 run's top
-    # 12 operators showed it for Samba and Llama and could not show what NemotronH's and the hybrid's took)
-    attention = [[e.key, round(e.count / steps, 1), round(getattr(e, device_time, 0) / steps / 1000, 4)]
-                 for e in events if any(word in e.key.lower() for word in ("attention", "sdp", "cudnn", "fmha", "flash"))]
+    # 12 operators showed it for Samba and Llama and could not show what NemotronH's and the hybrid's took): each
+    # operator and kernel named for attention, as [name, device ms, count] per step (cuDNN's attention operator is
+    # aten::_cudnn_attention_forward, its kernels "..._sdpa_..."; "cudnn" alone would take in cuDNN's convolutions)
+    attention = [[e.key, round(getattr(e, device_time, 0) / steps / 1000, 4), round(e.count / steps, 1)]
+                 for e in events if any(word in e.key.lower() for word in ("attention", "sdp", "fmha", "flash"))]
 
     one_by_one = []
     for _ in range(8):
@@ -705,6 +707,9 @@ def scan_configs(args, device, dtype) -> dict:
         row, reference = {}, {}
         for name, values in SCAN_CONFIGS:
             saved = {key: getattr(owner(key), key) for key in values}
+            # a launch that fails to compile leaves its dtype to the scan (ssm_samba's record of it): for that
+            # launch only, not for the next ones or the models measured after
+            chunked_ssd = {key: set(getattr(ssm_samba, key)) for key in ("_CHUNKED_SSD_FAILED", "_CHUNKED_SSD_CHECKED")}
             try:
                 for key, value in values.items():
                     setattr(owner(key), key, value)
@@ -723,6 +728,8 @@ def scan_configs(args, device, dtype) -> dict:
             finally:
                 for key, value in saved.items():
                     setattr(owner(key), key, value)
+                for key, value in chunked_ssd.items():
+                    setattr(ssm_samba, key, value)
         return row
 
     return at_each_length(args, "scan configs", measure)

@@ -57,6 +57,7 @@ def counted_chunked_ssd(monkeypatch, skip_check: bool = True) -> list:
 
     if skip_check:
         monkeypatch.setattr(ssm_samba, "_check_chunked_ssd", lambda *args: None)
+    monkeypatch.setattr(ssm_samba, "_CHUNKED_SSD_CHECKED", set())  # (skipped checks must not pass for later tests)
     kernels = ssm_samba.load_kernels()
     calls, real = [], kernels.ssd_chunked_triton
     monkeypatch.setattr(ssm_samba, "_KERNELS", kernels._replace(

@@ -368,6 +368,7 @@ def test_a_long_training_scan_is_walked_back_in_segments_exactly(triton_only, mo
     from samba_hf import triton_scan_samba
 
     monkeypatch.setattr(triton_scan_samba, "CHUNK", 8)  # tiny chunks and segments, so that 50 tokens have several
+    monkeypatch.setattr(triton_scan_samba, "TILE_MAX", 2)  # and several tiles in a chunk
     monkeypatch.setattr(triton_scan_samba, "MIN_SEGMENT", 8)
     monkeypatch.setattr(triton_scan_samba, "PROGRAMS_PER_SM", 64)
     lengths, segments = [], []
@@ -381,7 +382,8 @@ def test_a_long_training_scan_is_walked_back_in_segments_exactly(triton_only, mo
         scan, reference_scan = ssm_samba.selective_scan, float64_recurrence
     else:
         names = ("x", "dt", "A", "B", "C", "D", "h0")
-        inputs = ssd_inputs(length=50, heads=6, head_dim=4, groups=3, d_state=5)  # blocks of channels across groups
+        x, dt, A, B, C, D, h0 = ssd_inputs(length=50, heads=6, head_dim=4, groups=3, d_state=5)  # blocks across groups
+        inputs = x, dt, A / 16, B, C, D, h0  # decays that carry over a segment of 16 tokens (A in [-1, -1/16])
         scan, reference_scan = ssm_samba.ssd_scan, float64_ssd
     leaves = [t.clone().requires_grad_() for t in inputs]
     y, h = scan(*leaves)

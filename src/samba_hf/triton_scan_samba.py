@@ -827,8 +827,10 @@ def _ssd_blocks(head_dim: int, d_state: int) -> tuple[int, int]:
 
 
 def ssd_chunked_variant(x, B, D, h0) -> tuple:
-    """What a call's compiled chunked SSD depends on: the dtype and device, the block sizes, whether D and h0 come."""
-    return x.dtype, x.device, *_ssd_blocks(x.shape[3], B.shape[3]), D is not None, h0 is not None
+    """What a call's compiled chunked SSD depends on: the dtype and device, the chunk, block sizes and warps, whether
+    D and h0 come."""
+    return (x.dtype, x.device, SSD_CHUNK, *_ssd_blocks(x.shape[3], B.shape[3]), SSD_NUM_WARPS, D is not None,
+            h0 is not None)
 
 
 def ssd_chunked_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
