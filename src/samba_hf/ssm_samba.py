@@ -402,10 +402,11 @@ _CHUNKED_SSD_FAILED: set = set()  # the dtypes the chunked SSD failed in (the sc
 
 
 def _takes_chunked_ssd(x, dt, A, B, C, D, h0) -> bool:
-    """Whether a Mamba-2 scan on CUDA takes samba-hf's chunked SSD (see SSD_MIN_TOKENS)."""
-    wants_gradient = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, dt, A, B, C, D, h0))
-    return (x.shape[1] >= SSD_MIN_TOKENS and x.dtype in (torch.bfloat16, torch.float16) and not wants_gradient
-            and x.dtype not in _CHUNKED_SSD_FAILED and not compiling())
+    """Whether a Mamba-2 scan on CUDA takes samba-hf's chunked SSD (see SSD_MIN_TOKENS); asked only where it loaded."""
+    from .triton_scan_samba import _wants_gradient
+
+    return (x.shape[1] >= SSD_MIN_TOKENS and x.dtype in (torch.bfloat16, torch.float16)
+            and not _wants_gradient(x, dt, A, B, C, D, h0) and x.dtype not in _CHUNKED_SSD_FAILED and not compiling())
 
 
 def _chunked_ssd(kernels: Kernels, x, dt, A, B, C, D, h0):

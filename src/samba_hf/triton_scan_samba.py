@@ -115,6 +115,18 @@ def _scan_tile(decay, step, before, TILE: tl.constexpr, BLOCK_D: tl.constexpr, B
 
 
 @triton.jit
+def _carry_tile(grad, C, dt, dt_after, A, carry, A_PER_HEAD: tl.constexpr, TILE: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The backward's step over a tile read from its last token (row i: token last - i): the gradient of the state
+    after each token, carry_t = grad_t C_t + exp(dt_{t+1} A) carry_{t+1}, from `carry` coming in after the tile
+    (dt_after: each token's next one's step, 0 after the tile's last, whose carry comes in whole); the tile's decays
+    exp(dt A); and the gradient of the state before its first token. grad: the output's gradient before the gate."""
+    carries = _scan_tile(_decays(dt_after, A, A_PER_HEAD), grad[:, :, None] * C, carry, TILE, BLOCK_D, BLOCK_N)
+    decay = _decays(dt, A, A_PER_HEAD)
+    return carries, decay, _last(carries * decay, TILE)
+
+
+@triton.jit
 def _last(values, TILE: tl.constexpr):
     """values[TILE - 1] of a (TILE, ...) tile."""
     return tl.sum(tl.where((tl.arange(0, TILE) == TILE - 1)[:, None, None], values, 0.0), axis=0)
@@ -385,9 +397,8 @@ def _scan_backward(
             after = t + 1
             dt_after = _load_rows(dt_ptr, b, after, (after <= last) & (after < end), d, d_ok, stride_dt_b,
                                   stride_dt_t, HEAD_DIM)
-            carries = _scan_tile(_decays(dt_after, A, A_PER_HEAD), grad[:, :, None] * C, carry, TILE, BLOCK_D,
-                                 BLOCK_N)  # the gradient of h_t
-            decay = _decays(dt, A, A_PER_HEAD)
+            # carries: the gradient of h_t; carry: of the state before the tile's first token
+            carries, decay, carry = _carry_tile(grad, C, dt, dt_after, A, carry, A_PER_HEAD, TILE, BLOCK_D, BLOCK_N)
             from_decay = tl.where(dn_ok[None, :, :], carries * decay * h_before, 0.0)  # d/d(dt A) of decay h_{t-1}
             into_state = tl.where(dn_ok[None, :, :], carries * B, 0.0)
             if A_PER_HEAD:
@@ -404,7 +415,6 @@ def _scan_backward(
             tl.store(grad_dt_ptr + b * stride_g_b + t[:, None] * stride_g_t + d[None, :], grad_dt, mask=rows_ok)
             _add_tile_over_channels(grad_B_ptr, carries * (dt * u)[:, :, None], b, t, t_ok, group, n, d_ok, n_ok,
                                     seq_len, groups, d_state, ONE_GROUP)
-            carry = _last(carries * decay, TILE)  # the gradient of the state before the tile's first token
         tl.debug_barrier()
     if segment == 0:
         tl.store(grad_h0_ptr + b * d_inner * d_state + dn, carry, mask=dn_ok)
@@ -458,8 +468,7 @@ def _carry_segments(
         after = t + 1
         dt_after = _load_rows(dt_ptr, b, after, (after <= last) & (after < end), d, d_ok, stride_dt_b, stride_dt_t,
                               HEAD_DIM)
-        carries = _scan_tile(_decays(dt_after, A, A_PER_HEAD), grad[:, :, None] * C, carry, TILE, BLOCK_D, BLOCK_N)
-        carry = _last(carries * _decays(dt, A, A_PER_HEAD), TILE)
+        _, _, carry = _carry_tile(grad, C, dt, dt_after, A, carry, A_PER_HEAD, TILE, BLOCK_D, BLOCK_N)
         elapsed += tl.sum(dt, axis=0)
     slot = segments - segment
     tl.store(ends_ptr + (b * segments + slot) * d_inner * d_state + dn, carry, mask=dn_ok)
@@ -613,7 +622,8 @@ def _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
         seq_len, d_inner, d_state, layout.channels_per_group, segment_len,
         *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2), *_strides(y, 2),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_H0=h0 is not None, KEEP_CHECKPOINTS=keep_checkpoints,
-        SEGMENTED=segments > 1, **layout.constants(), TILE=layout.tile_for(min(segment_len, seq_len)), num_warps=NUM_WARPS,
+        SEGMENTED=segments > 1, **layout.constants(), TILE=layout.tile_for(min(segment_len, seq_len)),
+        num_warps=NUM_WARPS,
     )
     if segments == 1:
         return y, ends[:, 0], checkpoints
