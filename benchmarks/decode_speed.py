@@ -41,7 +41,7 @@ def dynamic_cache(model, name: str, context: int, in_place: bool):
     """`run_benchmarks.synthetic_cache`, its sliding layers samba-hf's in-place ones when `in_place`."""
     from transformers import DynamicCache
 
-    from samba_hf.modeling_samba import SambaModel
+    from samba_hf.cache_samba import write_windows_in_place
 
     if not in_place:
         return synthetic_cache(model, name, context, "cpu")
@@ -49,7 +49,7 @@ def dynamic_cache(model, name: str, context: int, in_place: bool):
 
     def init_in_place(self, *args, **kwargs):  # the layers samba-hf's forward puts into a fresh cache
         original(self, *args, **kwargs)
-        SambaModel._write_windows_in_place(self)
+        write_windows_in_place(self)
 
     DynamicCache.__init__ = init_in_place
     try:
@@ -124,7 +124,7 @@ def kernels(dtype: torch.dtype, repeats: int = 7) -> dict:
     """ms: every linear of the 113M Samba on one token, one after another (the weights stream from memory as in a
     step), through the matrix-vector kernel and through nn.Linear, interleaved; and one query's sdpa over 1023 cached
     keys (12 heads, 4 key/value heads) in this dtype and in float32."""
-    from samba_hf import linear_samba
+    from samba_hf import cpu_kernels_samba
     from samba_hf.linear_samba import SambaLinear
 
     model = build("samba", "cpu", dtype)
@@ -149,7 +149,7 @@ def kernels(dtype: torch.dtype, repeats: int = 7) -> dict:
                 attend(q, k, v, enable_gqa=True)
                 times[name].append(time.perf_counter() - start)
     result = {name: 1e3 * statistics.median(values) for name, values in times.items()}
-    result["kernel available"] = linear_samba.gemv_available()
+    result["kernel available"] = cpu_kernels_samba.gemv_available()
     return result
 
 

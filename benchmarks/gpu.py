@@ -45,8 +45,8 @@ from datetime import date
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, NemotronHConfig
 
-from samba_hf import SambaConfig, SambaForCausalLM, modeling_samba, ssm_samba
-from samba_hf.modeling_samba import CACHE_NAME, SambaModel, cache_layer_kind
+from samba_hf import SambaConfig, SambaForCausalLM, attention_samba, ssm_samba
+from samba_hf.cache_samba import CACHE_NAME, cache_layer_kind, write_windows_in_place
 
 MODELS = ("Samba-1.3B", "Llama-1.3B", "Mamba-2-Hybrid", "NemotronH")
 HYBRID_PATTERN = "M-M*-M-"  # blocks 7-13 of the 8B's pattern
@@ -98,7 +98,7 @@ def filled_cache(model, batch: int, context: int) -> DynamicCache:
     """A cache as after `context` tokens: random Mamba states and keys/values (a sliding layer keeps window - 1)."""
     config, device, dtype = model.config, model.device, model.dtype
     cache = DynamicCache(config=config)
-    SambaModel._write_windows_in_place(cache)  # samba-hf's in-place window, as its forward sets up (others: no-op)
+    write_windows_in_place(cache)  # samba-hf's in-place window, as its forward sets up (others: no-op)
     for i, layer in enumerate(cache.layers):
         kind = cache_layer_kind(layer)
         block = model.model.layers[i]
@@ -204,7 +204,7 @@ def eager_decoder(model, context: int, batch: int):
 
 def sdpa_without_cudnn():
     """sdpa's other backends, not cuDNN's attention, which builds a graph for each new key length (what samba-hf's
-    models do over a cache, `modeling_samba.sdpa_backends`)."""
+    models do over a cache, `attention_samba.sdpa_backends`)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
@@ -375,7 +375,7 @@ def measure(args, device) -> dict:
             row["parameters"] = sum(p.numel() for p in model.parameters())
             PHASES[phase](args, name, model, row)
             # which path Samba's long sliding-window prompts took: flex_attention, or block-wise where it failed
-            result["flex_attention_works"] = {str(key): ok for key, ok in modeling_samba._FLEX_ATTENTION_WORKS.items()}
+            result["flex_attention_works"] = {str(key): ok for key, ok in attention_samba._FLEX_ATTENTION_WORKS.items()}
             del model
             if args.out:  # so that a run cut short keeps what it measured
                 write_json(args.out, result)
@@ -509,7 +509,7 @@ def sliding_attention(args, device, dtype) -> dict:
     causal prompt (flash where the GPU has it): seconds and keys attended per second at each length."""
     from types import SimpleNamespace
 
-    from samba_hf.modeling_samba import sliding_window_attention_blockwise
+    from samba_hf.attention_samba import sliding_window_attention_blockwise
 
     config = configs(args.smoke)["Samba-1.3B"]
     heads, head_dim, window = config.num_attention_heads, config.head_dim, config.sliding_window

@@ -11,7 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from samba_hf.ssm_samba import selective_scan_cpu, selective_scan_pytorch
+from samba_hf.cpu_kernels_samba import selective_scan_cpu
+from samba_hf.ssm_samba import selective_scan_pytorch
 
 
 def per_token_loop(u, dt, A, B, C):

@@ -19,7 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import samba_hf  # noqa: F401
 from samba_hf.cli import default_model_path
-from samba_hf.modeling_samba import CACHE_NAME  # generate's cache argument: `cache` (5.24), `past_key_values` (5.23)
+from samba_hf.cache_samba import CACHE_NAME  # generate's cache argument: `cache` (5.24), `past_key_values` (5.23)
 
 
 def resident_mib() -> float:

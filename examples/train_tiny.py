@@ -39,7 +39,7 @@ from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments
 from samba_hf import SambaConfig, SambaForCausalLM
 from samba_hf.cli import default_model_path
 from samba_hf.configuration_samba import UNLIMITED_POSITIONS
-from samba_hf.modeling_samba import hub_metadata
+from samba_hf.hub_samba import REMOTE_CODE_FILES, hub_metadata
 
 DOCSTRING_MODULES = [
     "abc", "argparse", "array", "ast", "asyncio", "base64", "bisect", "bz2", "calendar", "cmd", "codecs",
@@ -191,8 +191,7 @@ def package(model, tokenizer, report: dict, out: str, card: str | None = None):
     model.config.max_position_embeddings = UNLIMITED_POSITIONS  # trained on 256-token blocks, but no length limit
     model.generation_config.max_length = None
     to_bfloat16_storage(model)
-    code = [Path(out, name) for name in (
-        "configuration_samba.py", "modeling_samba.py", "ssm_samba.py", "linear_samba.py", "triton_scan_samba.py")]
+    code = [Path(out, name) for name in REMOTE_CODE_FILES]
     for link in code:
         if link.is_symlink():  # a link written below by an earlier run: save_pretrained copies the code anew
             link.unlink()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from samba_hf import SambaConfig, SambaForCausalLM
-from samba_hf.modeling_samba import CACHE_NAME
+from samba_hf.cache_samba import CACHE_NAME
 
 
 def tiny_config(**overrides) -> SambaConfig:

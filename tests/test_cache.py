@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
 
-from samba_hf.modeling_samba import CACHE_NAME
+from samba_hf.cache_samba import CACHE_NAME
 
 from conftest import returned_cache, tiny_model
 
@@ -193,7 +193,7 @@ def test_the_in_place_window_returns_what_transformers_layer_returns_without_cop
     first step, after the reordering and after a step longer than the room."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    from samba_hf.modeling_samba import SambaSlidingWindowLayer, window_slack
+    from samba_hf.cache_samba import SambaSlidingWindowLayer, window_slack
 
     g, slack = torch.Generator().manual_seed(0), window_slack(window)
     ours, theirs = SambaSlidingWindowLayer(sliding_window=window), DynamicSlidingWindowLayer(sliding_window=window)

@@ -1,5 +1,5 @@
-"""The compiled CPU scan (`ssm_samba.selective_scan_cpu`): its backward against float64 autograd of the recurrence
-written out step by step (`test_reference_models.float64_recurrence`), its thread split, padding, the whole model against the PyTorch scan, and the fallback
+"""The compiled CPU scan (`cpu_kernels_samba.selective_scan_cpu`): its backward against float64 autograd of the
+recurrence written out step by step (`test_reference_models.float64_recurrence`), its thread split, padding, the whole model against the PyTorch scan, and the fallback
 where no compiler is found. The forward against float64 is in test_reference_models.py (both scans)."""
 
 import os
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from samba_hf import ssm_samba
+from samba_hf import cpu_kernels_samba, ssm_samba
 
 from conftest import tiny_model
 from test_reference_models import float64_recurrence
@@ -20,7 +20,7 @@ def require_compiled_scan():
     """Skip where there is no C compiler at all; where there is one, the scan must have built."""
     if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
         pytest.skip("no C compiler on this machine: the PyTorch scan runs instead")
-    assert ssm_samba._cpu_scan_library() is not None, "the compiled CPU scan did not build"
+    assert cpu_kernels_samba._cpu_scan_library() is not None, "the compiled CPU scan did not build"
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +53,7 @@ def test_gradients_match_float64_autograd(optional, seq_len):
             x[name] = None
     ours = {k: v.clone().requires_grad_() for k, v in x.items() if v is not None}
     ref = {k: v.double().requires_grad_() for k, v in x.items() if v is not None}
-    y, h = ssm_samba.selective_scan_cpu(**ours)
+    y, h = cpu_kernels_samba.selective_scan_cpu(**ours)
     ref_inputs = {**ref, "h0": ref.pop("h0", torch.zeros(2, 37, 5, dtype=torch.float64))}
     y_ref, h_ref = float64_recurrence(**{k: ref_inputs.get(k) for k in ("u", "dt", "A", "B", "C", "D", "z", "h0")})
     g = torch.Generator().manual_seed(1)
@@ -109,7 +109,7 @@ def test_the_scan_operator_passes_torch_opcheck():
 def test_only_the_inputs_that_need_a_gradient_get_one():
     x = inputs()
     x["dt"].requires_grad_()
-    y, _ = ssm_samba.selective_scan_cpu(**x)
+    y, _ = cpu_kernels_samba.selective_scan_cpu(**x)
     (grad,) = torch.autograd.grad(y.sum(), [x["dt"]])
     assert grad.shape == x["dt"].shape and torch.isfinite(grad).all()
     assert all(v.grad is None for k, v in x.items() if k != "dt")
@@ -119,8 +119,8 @@ def test_threads_split_channels_without_changing_results(monkeypatch):
     x = {k: v.requires_grad_() for k, v in inputs().items()}
     results = []
     for threads in (1, 3):
-        monkeypatch.setattr(ssm_samba, "_scan_threads", lambda *shape, n=threads: n)
-        y, h = ssm_samba.selective_scan_cpu(**x)
+        monkeypatch.setattr(cpu_kernels_samba, "_scan_threads", lambda *shape, n=threads: n)
+        y, h = cpu_kernels_samba.selective_scan_cpu(**x)
         grads = torch.autograd.grad(y.square().sum() + h.sum(), list(x.values()))
         results.append((y, h, grads))
     (y1, h1, g1), (y3, h3, g3) = results
@@ -133,8 +133,8 @@ def test_zero_step_leaves_the_state_exactly_as_it_was():
     """Padding: dt = 0 neither decays nor feeds the state, bit for bit, so a padded row ends where it started."""
     x = inputs(seq_len=20)
     x["dt"][:, 5:] = 0.0
-    _, h_full = ssm_samba.selective_scan_cpu(**x)
-    _, h_five = ssm_samba.selective_scan_cpu(**{k: v[:, :5] if v.dim() == 3 and k != "h0" else v for k, v in x.items()})
+    _, h_full = cpu_kernels_samba.selective_scan_cpu(**x)
+    _, h_five = cpu_kernels_samba.selective_scan_cpu(**{k: v[:, :5] if v.dim() == 3 and k != "h0" else v for k, v in x.items()})
     assert torch.equal(h_full, h_five)
 
 
@@ -143,8 +143,8 @@ def test_model_matches_the_pytorch_scan(monkeypatch):
     model = tiny_model(num_hidden_layers=4)
     ids = torch.randint(3, 97, (2, 40))
     runs = []
-    for library in (ssm_samba._cpu_scan_library(), False):
-        monkeypatch.setattr(ssm_samba, "_CPU_SCAN", library)
+    for library in (cpu_kernels_samba._cpu_scan_library(), False):
+        monkeypatch.setattr(cpu_kernels_samba, "_CPU_SCAN", library)
         model.zero_grad()
         out = model(ids, labels=ids)
         out.loss.backward()
@@ -157,12 +157,12 @@ def test_model_matches_the_pytorch_scan(monkeypatch):
 
 SNIPPET = """
 import torch
-from samba_hf import ssm_samba
+from samba_hf import cpu_kernels_samba, ssm_samba
 g = torch.Generator().manual_seed(0)
 u = torch.randn(1, 9, 4, generator=g)
 dt = torch.full((1, 9, 4), 0.1)
 y, h = ssm_samba.selective_scan(u, dt, -torch.ones(4, 3), torch.randn(1, 9, 3, generator=g), torch.randn(1, 9, 3, generator=g))
-print("library", ssm_samba._CPU_SCAN is not False)
+print("library", cpu_kernels_samba._CPU_SCAN is not False)
 print("finite", bool(torch.isfinite(y).all()))
 """
 

@@ -371,7 +371,7 @@ def test_decoding_in_cuda_graphs_gives_the_eager_tokens(kind):
 def test_long_sliding_window_inputs_run_flex_attention_and_match_the_cpu(monkeypatch, dtype):
     """On a GPU with sdpa, inputs longer than the window go through compiled flex_attention (the CPU goes block by
     block): logits, a padded batch, a cached continuation and the gradients of a training step as on the CPU."""
-    import samba_hf.modeling_samba as modeling
+    import samba_hf.attention_samba as modeling
 
     calls = []
     flex = modeling.sliding_window_attention_flex
@@ -424,7 +424,7 @@ def test_flex_attention_past_the_recompile_limit_goes_block_wise(monkeypatch, ca
     """Once flex_attention, or its block mask builder, has been compiled for as many shapes as torch.compile's
     recompile limit (past which torch runs it uncompiled, materialising every score or the whole mask), inputs of
     new shapes go block-wise, said once, with the same result."""
-    import samba_hf.modeling_samba as modeling
+    import samba_hf.attention_samba as modeling
 
     shape = dict(head_dim=16, hidden_size=64, sliding_window=64)
     cpu, gpu = tiny_model(seed=4, **shape), tiny_model(seed=4, **shape).cuda()

@@ -16,13 +16,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import samba_hf
 from samba_hf.cli import default_model_path
+from samba_hf.hub_samba import REMOTE_CODE_FILES
 
 from conftest import tiny_model
 
 DEFAULT = Path(default_model_path())
 PACKAGE = Path(samba_hf.__file__).parent
-REMOTE_FILES = ("configuration_samba.py", "modeling_samba.py", "ssm_samba.py", "linear_samba.py",
-                "triton_scan_samba.py", "triton_conv_samba.py")
+REMOTE_FILES = REMOTE_CODE_FILES
 
 
 def card_metadata(folder) -> dict:

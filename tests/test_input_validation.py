@@ -318,7 +318,9 @@ def test_a_decoding_step_on_a_gpu_reads_no_values(model, ids):
     cache, where the read would wait for the GPU at every step (tests/test_gpu.py counts the synchronisations)."""
     cache = filled_cache(model, ids)
     step, prompt = ids[:, :1], ids
-    check = model.model._reads_values
+    from samba_hf.validation_samba import reads_values
+
+    check = lambda tokens, cache: reads_values(tokens, cache, model.config)  # noqa: E731
     assert check(step, cache) and check(prompt, cache) and check(prompt, None)  # CPU: always
     gpu_step, gpu_prompt = step.to("meta"), prompt.to("meta")
     assert not check(gpu_step, cache)
@@ -346,6 +348,7 @@ def test_a_decoding_step_without_value_reads_runs_and_reads_nothing_back(monkeyp
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from samba_hf import validation_samba
     from test_mamba2 import tiny_mamba2
 
     model = tiny_model(seed=2) if layout == "samba" else tiny_mamba2("megatron", seed=2)
@@ -367,7 +370,7 @@ def test_a_decoding_step_without_value_reads_runs_and_reads_nothing_back(monkeyp
     for mask in (None, torch.ones(2, 12, dtype=torch.long)):
         expected = step(mask)
         with monkeypatch.context() as patch:
-            patch.setattr(type(model.model), "_reads_values", lambda self, tokens, cache: False)
+            patch.setattr(validation_samba, "reads_values", lambda tokens, cache, config: False)
             tolist = torch.Tensor.tolist
             patch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t))
             cache = filled_cache(model, ids[:, :11])

@@ -1,5 +1,5 @@
-"""`SambaLinear`'s C matrix-vector kernel (`linear_samba.py`) against `nn.Linear`, where it runs and where it must
-not, under torch.compile, and the fallback when it is turned off."""
+"""`SambaLinear`'s C matrix-vector kernel (`cpu_kernels_samba.gemv_cpu`) against `nn.Linear`, where it runs and where
+it must not, under torch.compile, and the fallback when it is turned off."""
 
 import os
 import subprocess
@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from samba_hf import linear_samba
-from samba_hf.linear_samba import MAX_TOKENS, SambaLinear
+from samba_hf import cpu_kernels_samba, linear_samba
+from samba_hf.cpu_kernels_samba import MAX_TOKENS
+from samba_hf.linear_samba import SambaLinear
 
 from conftest import tiny_model
 
-requires_kernel = pytest.mark.skipif(not linear_samba.gemv_available(),
+requires_kernel = pytest.mark.skipif(not cpu_kernels_samba.gemv_available(),
                                      reason="no AVX-512 or no C compiler: nn.Linear runs everywhere")
 
 
@@ -46,7 +47,7 @@ def test_the_kernel_equals_a_float64_product(dtype, shape, bias, monkeypatch):
     assert len(calls) == 2  # the kernel ran, not nn.Linear
 
 
-KERNEL = linear_samba.gemv_cpu
+KERNEL = cpu_kernels_samba.gemv_cpu
 
 
 @requires_kernel
@@ -99,7 +100,7 @@ def test_a_decoding_step_through_the_kernel_equals_nn_linear(monkeypatch):
                    eos_token_id=None, output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
         kernel = model.generate(ids, **options)
-        monkeypatch.setattr(linear_samba, "_CPU_GEMV", False)
+        monkeypatch.setattr(cpu_kernels_samba, "_CPU_GEMV", False)
         monkeypatch.setattr(linear_samba, "gemv_available", lambda: False)
         plain = model.generate(ids, **options)
     assert torch.equal(kernel.sequences, plain.sequences)
@@ -107,7 +108,7 @@ def test_a_decoding_step_through_the_kernel_equals_nn_linear(monkeypatch):
 
 
 def test_the_environment_variable_turns_the_kernel_off():
-    code = "from samba_hf import linear_samba; print(linear_samba._gemv_library() is None)"
+    code = "from samba_hf import cpu_kernels_samba; print(cpu_kernels_samba._gemv_library() is None)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "SAMBA_HF_GEMV": "pytorch"})
     assert result.returncode == 0 and result.stdout.split() == ["True"], result.stderr

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM, MistralConfig, MistralForCausalLM
 
-from samba_hf import ssm_samba
+from samba_hf import cpu_kernels_samba, ssm_samba
 
 from conftest import returned_cache, tiny_model
 
@@ -122,7 +122,7 @@ def selective_scan(request):
     from test_cpu_scan import require_compiled_scan
 
     require_compiled_scan()
-    return ssm_samba.selective_scan_cpu
+    return cpu_kernels_samba.selective_scan_cpu
 
 
 @pytest.mark.parametrize("seq_len", [1, 7, 64, 150])
@@ -166,7 +166,7 @@ def test_scan_stays_exact_at_64k_tokens(selective_scan):
 def test_blockwise_sliding_attention_equals_dense(window, past, q_len):
     from types import SimpleNamespace
 
-    from samba_hf.modeling_samba import sliding_window_attention_blockwise
+    from samba_hf.attention_samba import sliding_window_attention_blockwise
 
     g = torch.Generator().manual_seed(window + past + q_len)
     b, heads, kv_heads, dim = 2, 4, 2, 8
@@ -195,7 +195,7 @@ def test_flex_sliding_attention_equals_the_blockwise_path(window, past, q_len):
     the padding the block-wise path does."""
     from types import SimpleNamespace
 
-    from samba_hf.modeling_samba import (
+    from samba_hf.attention_samba import (
         sliding_window_attention_blockwise,
         sliding_window_attention_flex,
         sliding_window_block_mask,
@@ -223,7 +223,7 @@ def test_flex_runs_every_length_of_a_bucket_at_one_padded_shape():
     result is the block-wise path's."""
     from types import SimpleNamespace
 
-    from samba_hf import modeling_samba as modeling
+    from samba_hf import attention_samba as modeling
 
     assert [modeling.flex_length(n) for n in (1, 128, 129, 300, 4096, 4097)] == [128, 128, 256, 512, 4096, 8192]
     seen = []
@@ -242,7 +242,7 @@ def test_flex_runs_every_length_of_a_bucket_at_one_padded_shape():
 def test_flex_attention_failing_in_a_forward_goes_block_wise_and_says_so(monkeypatch, caplog):
     """A compiler failure at a new shape (torch 2.11 on an H100 failed so for a cached continuation) does not end
     the forward: that call and the later ones of its kind go block-wise, with the same result, said once."""
-    import samba_hf.modeling_samba as modeling
+    import samba_hf.attention_samba as modeling
 
     model = tiny_model(seed=3)
     ids = torch.randint(3, 97, (2, 40))
@@ -254,7 +254,7 @@ def test_flex_attention_failing_in_a_forward_goes_block_wise_and_says_so(monkeyp
 
     monkeypatch.setattr(modeling, "_FLEX_ATTENTION_WORKS", {})
     monkeypatch.setattr(modeling, "flex_attention_kernel", lambda *args: failing)
-    monkeypatch.setattr(modeling.SambaModel, "_flex_sliding", lambda self, inputs_embeds: True)
+    monkeypatch.setattr(modeling, "takes_flex_attention", lambda config, inputs_embeds, training: True)
     with torch.no_grad(), caplog.at_level("WARNING"):
         got = model(ids).logits
         again = model(ids).logits
@@ -271,7 +271,7 @@ def test_no_block_mask_is_built_past_the_recompile_limit(monkeypatch, caplog):
     """On a GPU the block mask builder is compiled per shape; past torch.compile's recompile limit it would run
     uncompiled and materialise the whole (queries x keys) mask, so a new shape gets none (the block-wise path runs),
     said once. (Decided before anything touches the device: this runs without one.)"""
-    from samba_hf import modeling_samba as modeling
+    from samba_hf import attention_samba as modeling
 
     limit = getattr(torch._dynamo.config, "recompile_limit", 8)
     monkeypatch.setattr(modeling, "_FLEX_MASK_SHAPES", {("another shape", n) for n in range(limit)})
@@ -289,7 +289,7 @@ def test_sdpa_over_a_cache_on_a_gpu_leaves_cudnn_out():
     anything touches the device: this runs without one; tests/test_gpu.py profiles real decoding steps.)"""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from samba_hf.modeling_samba import sdpa_backends
+    from samba_hf.attention_samba import sdpa_backends
 
     cuda, gpu = torch.backends.cuda, torch.device("cuda")
     enabled = lambda: (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
@@ -328,7 +328,7 @@ def test_a_model_through_flex_sliding_attention_equals_the_blockwise_path(monkey
     """Where flex_attention is chosen (a GPU), a long prompt, a padded batch and a cached continuation give what the
     block-wise path gives, and flex_attention ran for every sliding layer. (Its backward runs on a GPU only:
     tests/test_gpu.py.)"""
-    import samba_hf.modeling_samba as modeling
+    import samba_hf.attention_samba as modeling
 
     model = tiny_model(seed=3)
     ids = torch.randint(3, 97, (2, 40))
@@ -342,7 +342,7 @@ def test_a_model_through_flex_sliding_attention_equals_the_blockwise_path(monkey
     calls = []
     flex = modeling.sliding_window_attention_flex
     monkeypatch.setattr(modeling, "sliding_window_attention_flex", lambda *a: calls.append(1) or flex(*a))
-    monkeypatch.setattr(modeling.SambaModel, "_flex_sliding", lambda self, inputs_embeds: True)
+    monkeypatch.setattr(modeling, "takes_flex_attention", lambda config, inputs_embeds, training: True)
     sliding_layers = model.config.layer_types.count("sliding_attention")
     with torch.no_grad():
         got = model(ids, attention_mask=mask).logits
@@ -360,11 +360,11 @@ def test_a_4d_mask_on_a_long_input_is_used_as_given(monkeypatch, flex):
     goes to the sliding layers as given, on the block-wise (CPU) and the flex_attention (GPU) choice alike: here the
     sliding band itself, which must give the logits of no mask at all. (An additive mask was taken as a boolean one
     there, its band inverted; the flex path failed on its shape.)"""
-    import samba_hf.modeling_samba as modeling
+    import samba_hf.attention_samba as modeling
 
     model = tiny_model(seed=5)
     if flex:
-        monkeypatch.setattr(modeling.SambaModel, "_flex_sliding", lambda self, inputs_embeds: True)
+        monkeypatch.setattr(modeling, "takes_flex_attention", lambda config, inputs_embeds, training: True)
     ids = torch.randint(3, 97, (2, 30))
     i, j = torch.arange(30)[:, None], torch.arange(30)[None, :]
     band = ((i - j >= 0) & (i - j < model.config.sliding_window))[None, None].expand(2, 1, 30, 30)
@@ -376,7 +376,7 @@ def test_a_4d_mask_on_a_long_input_is_used_as_given(monkeypatch, flex):
 
 
 def test_flex_attention_that_fails_is_said_once_and_left_out(monkeypatch, caplog):
-    import samba_hf.modeling_samba as modeling
+    import samba_hf.attention_samba as modeling
 
     config = tiny_model().config
     monkeypatch.setattr(modeling, "_FLEX_ATTENTION_WORKS", {})

@@ -6,17 +6,54 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import samba_hf
 from samba_hf import SambaForCausalLM
+from samba_hf.hub_samba import REMOTE_CODE_FILES, SAMBAY_REMOTE_CODE_FILES
 
 from conftest import tiny_model
 
-REMOTE_FILES = {"configuration_samba.py", "modeling_samba.py", "ssm_samba.py", "linear_samba.py", "triton_scan_samba.py",
-                "triton_conv_samba.py"}
+REMOTE_FILES = set(REMOTE_CODE_FILES)
+PACKAGE = Path(samba_hf.__file__).parent
+
+
+@pytest.mark.parametrize("modeling, files", [("modeling_samba.py", REMOTE_CODE_FILES),
+                                             ("modeling_sambay.py", SAMBAY_REMOTE_CODE_FILES)])
+def test_the_remote_code_files_are_what_the_modeling_file_imports(modeling, files):
+    """`hub_samba.REMOTE_CODE_FILES` (which the card, the examples and the embedded models use) is exactly what
+    transformers copies into a saved folder: the modeling file and every file it imports, at any depth."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    found = {Path(path).name for path in get_relative_import_files(str(PACKAGE / modeling))}
+    assert found | {modeling} == set(files) and len(files) == len(set(files))
+
+
+@pytest.mark.parametrize("embedded", ["default_model", "passkey_model"])
+def test_the_embedded_models_link_every_remote_code_file(embedded):
+    folder = PACKAGE / embedded
+    code = {path.name for path in folder.iterdir() if path.suffix == ".py"}
+    assert code == REMOTE_FILES
+    for name in code:
+        assert (folder / name).is_symlink() and (folder / name).resolve() == (PACKAGE / name).resolve(), name
+
+
+def test_the_vllm_plugin_links_what_its_remote_code_files_import():
+    """The plugin carries some of samba-hf's remote-code files as links (it never imports samba_hf): every file they
+    import is linked beside them."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    folder = PACKAGE.parents[1] / "vllm_plugin" / "src" / "samba_hf_vllm"
+    linked = {path.name for path in folder.iterdir() if path.is_symlink()}
+    assert {"configuration_samba.py", "configuration_sambay.py", "ssm_samba.py"} <= linked <= REMOTE_FILES | set(
+        SAMBAY_REMOTE_CODE_FILES)
+    for name in linked:
+        assert (folder / name).resolve() == (PACKAGE / name).resolve(), name
+        assert {Path(path).name for path in get_relative_import_files(str(folder / name))} <= linked, name
 
 
 @pytest.fixture(scope="module")

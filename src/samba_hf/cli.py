@@ -23,7 +23,7 @@ class UserError(Exception):
 
 logging.disable_progress_bar()  # the commands print their own progress
 
-# What `--compile` says before it compiles: measured with docs/cli.md's command (2026-11-26, 2-core AMD EPYC)
+# What `--compile` says before it compiles (the times docs/cli.md measured)
 COMPILE_TIME_NOTE = ("about a minute on a 2-core CPU for the embedded model the first time, ~15 s once inductor's "
                      "cache holds it; longer for deeper models")
 
@@ -106,8 +106,8 @@ def auto_dtype(device) -> tuple:
 
 def cpu_native_bfloat16() -> str | None:
     """The instruction set extension that makes bfloat16 products native on this CPU, or None: AVX512-BF16 or AMX on
-    x86, the BF16 extension on Arm. Without one PyTorch emulates bf16 products, 6-9x slower than float32 (measured on
-    an x86 without them); with one, bf16 reads half the bytes of float32 per weight."""
+    x86, the BF16 extension on Arm. Without one PyTorch emulates bf16 products, several times slower than float32
+    (docs/speed-history.md); with one, bf16 reads half the bytes of float32 per weight."""
     import platform
 
     import torch

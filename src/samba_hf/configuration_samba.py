@@ -218,8 +218,8 @@ class SambaConfig(PreTrainedConfig):
         mamba_dt_init_floor (`float`, defaults to 1e-4): smallest initial step size.
         mamba_dt_scale (`float`, defaults to 1.0): scale of the initial `dt_proj` weights.
         inference_chunk_size (`int`, defaults to 4096): without autograd, an unpadded input longer than this goes
-            through the layers this many tokens at a time via the cache (same result; on CPU 1.4x faster at 32K
-            tokens and memory bounded by the chunk). `0` turns it off.
+            through the layers this many tokens at a time via the cache (same result, faster on CPU at long
+            lengths, and memory bounded by the chunk). `0` turns it off.
 
     Example:
 

@@ -8,42 +8,30 @@ One forward, as data sees it:
 where the mixer is a `SambaMambaMixer` ("linear_attention" layers; a `SambaMamba2Mixer` with `mamba_version=2`) or a
 `SambaAttention` ("sliding_attention" / "full_attention" layers). Layouts with "mlp" layers (NVIDIA's
 Mamba-2-Hybrid, Megatron's one-sub-layer blocks) run x += mixer(input_layernorm(x)) or x += mlp(input_layernorm(x)).
-Decoding state lives in transformers' own hybrid `DynamicCache(config=...)`: one conv window and one SSM state per
-Mamba layer, at most `sliding_window - 1` key/value positions per sliding layer (`SambaSlidingWindowLayer`, written in
-place).
+
+Beside this file: `attention_samba.py` (which attention runs, and the sliding-window backends), `ssm_samba.py` (which
+scan and conv kernel runs), `cache_samba.py` (the decoding cache: transformers' hybrid `DynamicCache(config=...)`,
+one conv window and one SSM state per Mamba layer, at most `sliding_window - 1` key/value positions per sliding
+layer, written in place), `validation_samba.py` (the input checks), `hub_samba.py` (what a saved folder holds).
 
 This file is also the remote code of a saved model: it imports only torch, transformers and its siblings.
 """
 
-import contextlib
 import math
-import os
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask
 
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import (
-    Cache,
-    CacheLayerMixin,
-    DummyLayer,
-    DynamicSlidingWindowLayer,
-    DynamicCache,
-    EncoderDecoderCache,
-    LinearAttentionCacheLayerMixin,
-    StaticLayer,
-)
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
     create_causal_mask,
-    find_packed_sequence_indices,
     create_recurrent_attention_mask,
     create_sliding_window_causal_mask,
+    find_packed_sequence_indices,
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -54,129 +42,36 @@ from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .attention_samba import attention_forward, eager_attention_forward, sliding_window_mask
+from .cache_samba import (
+    ATTENTION_TYPES,
+    CACHE_NAME,
+    cache_has_content,
+    cache_nbytes,
+    check_cache_type,
+    check_static_cache_room,
+    has_attention_cache,
+    one_cache,
+    write_windows_in_place,
+)
 from .configuration_samba import SambaConfig
+from .hub_samba import save_folder
 from .linear_samba import SambaLinear
 from .ssm_samba import causal_conv, selective_scan, ssd_scan
+from .validation_samba import check_inputs
 
 logger = logging.get_logger(__name__)
 
-ATTENTION_TYPES = ("sliding_attention", "full_attention")
-
-# The builder of each kind of layer's mask, keyed by layer type (see `SambaModel.forward`); "mlp" layers need none.
+# The builder of each kind of layer's mask, keyed by layer type (see `SambaModel._mask_mapping`); "mlp" layers need
+# none.
 MASK_BUILDERS = {
     "linear_attention": create_recurrent_attention_mask,  # 2D padding mask (or None) for the Mamba mixer
     "sliding_attention": create_sliding_window_causal_mask,
     "full_attention": create_causal_mask,
 }
 
-# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` (in the models, the mask
-# builders and the outputs); 5.23 has the old name. samba-hf's forwards take either, and hand on the installed one.
-CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def check_cache_type(cache):
-    """One TypeError, naming what is taken, for a cache argument that is no cache of a decoder: a string, a tuple, an
-    `EncoderDecoderCache` (an encoder-decoder model's pair of caches), any other object. Where it comes from, forward
-    or generate, transformers would fail on a missing attribute."""
-    if isinstance(cache, Cache) and not isinstance(cache, EncoderDecoderCache):
-        return
-    given = "an EncoderDecoderCache (for encoder-decoder models)" if isinstance(cache, Cache) else type(cache).__name__
-    raise TypeError(
-        f"The cache (`cache=` or `past_key_values=`) must be a transformers Cache built for this model, "
-        f"`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or None for a "
-        f"new one; got {given}."
-    )
-
-
-def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
-    """The cache given under either name (`cache`: what transformers >= 5.24 passes; `past_key_values`: 5.23), each
-    checked to be a cache first (`check_cache_type`)."""
-    for given in (past_key_values, cache):
-        if given is not None:
-            check_cache_type(given)
-    if past_key_values is not None and cache is not None and past_key_values is not cache:
-        raise ValueError("Pass the cache once, as `cache` or as `past_key_values`, not as both.")
-    return cache if cache is not None else past_key_values
-
-
-def cache_layer_kind(layer) -> str:
-    """The kind of layer a cache layer was built for, named as in `config.layer_types` ("dummy": a layer that keeps
-    nothing, for layers that read another layer's cache)."""
-    if isinstance(layer, DummyLayer):
-        return "dummy"
-    if isinstance(layer, LinearAttentionCacheLayerMixin):
-        return "linear_attention"
-    if isinstance(layer, CacheLayerMixin):
-        return "sliding_attention" if getattr(layer, "is_sliding", False) else "full_attention"
-    return type(layer).__name__
-
-
-def cache_layer_shape(layer) -> tuple[int, tuple] | None:
-    """(batch, widths) of what a cache layer holds, None while it holds nothing: widths are (d_inner, d_state,
-    conv kernel) for a Mamba layer, (heads, head_dim, d_state, conv kernel) for a Mamba-2 layer, (kv heads,
-    head_dim) for an attention layer. Reads shapes only."""
-    if isinstance(layer, LinearAttentionCacheLayerMixin):
-        ssm = layer.recurrent_states.get(0)
-        return None if ssm is None else (ssm.shape[0], (*ssm.shape[1:], layer.conv_kernel_size.get(0)))
-    keys = getattr(layer, "keys", None)
-    if not isinstance(keys, torch.Tensor) or keys.ndim != 4:
-        return None
-    return keys.shape[0], (keys.shape[1], keys.shape[3])
-
-
 # The shortest inference chunk on a GPU (see `SambaModel._inference_chunk`).
 CUDA_MIN_INFERENCE_CHUNK = 65536
-
-
-def window_slack(sliding_window: int) -> int:
-    """Positions a `SambaSlidingWindowLayer` keeps beyond the `sliding_window - 1` it must: one 16th of the window."""
-    return max(1, sliding_window // 16)
-
-
-class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
-    """transformers' sliding-window key/value cache layer, written in place. `DynamicSlidingWindowLayer` concatenates
-    (copies) the whole window on every step; here the kept `sliding_window - 1` positions sit at the front of a
-    buffer with `window_slack` free positions after them, a step writes its new positions there and returns a view
-    of [kept | new]. When the room is used up the kept positions move back to the front: one copy of the window every
-    `window_slack` steps instead of one per step, for 1/16 of the window more memory. The buffer is allocated whole
-    at the first decoding step (as a static cache's). The first step also lets go of the prompt's keys and values, of which
-    transformers' layer keeps a view. Whatever replaced `keys` / `values`
-    meanwhile (beam reordering, cropping, batch selection) is taken as the new contents. A step of more new positions
-    than the slack (a prompt, a long chunk), and assisted decoding's recorded past, go through transformers' path."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        new = key_states.shape[-2]
-        if not self.is_initialized or self.record_past or new > window_slack(self.sliding_window):
-            return super().update(key_states, value_states, *args, **kwargs)
-        kept = getattr(self, "_kept", (None, None))
-        if self.keys is not kept[0] or self.values is not kept[1]:  # first step, or replaced from outside
-            self._seed()
-        keys, values = self._buffer  # (batch, heads, sliding_window - 1 + slack, head_dim)
-        if self._end + new > keys.shape[-2]:  # the room is used up: move the kept positions to the front
-            kept = self._end - self._start
-            keys[..., :kept, :] = keys[..., self._start : self._end, :].clone()
-            values[..., :kept, :] = values[..., self._start : self._end, :].clone()
-            self._start, self._end = 0, kept
-        keys[..., self._end : self._end + new, :] = key_states
-        values[..., self._end : self._end + new, :] = value_states
-        visible = (keys[..., self._start : self._end + new, :], values[..., self._start : self._end + new, :])
-        self._end += new
-        self._start = max(self._start, self._end - (self.sliding_window - 1))
-        self.keys, self.values = keys[..., self._start : self._end, :], values[..., self._start : self._end, :]
-        self._kept = (self.keys, self.values)
-        self.cumulative_length += new
-        return visible
-
-    def _seed(self):
-        """A fresh buffer, `sliding_window - 1 + window_slack` positions long, holding the current `keys` / `values`
-        at its front."""
-        batch, heads, length, head_dim = self.keys.shape
-        positions = self.sliding_window - 1 + window_slack(self.sliding_window)
-        self._buffer = (self.keys.new_empty(batch, heads, positions, head_dim),
-                        self.values.new_empty(batch, heads, positions, self.values.shape[-1]))
-        self._buffer[0][..., :length, :] = self.keys
-        self._buffer[1][..., :length, :] = self.values
-        self._start, self._end = 0, length
 
 
 class SambaRMSNorm(nn.Module):
@@ -241,312 +136,10 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(batch, kv_heads, seq, head_dim) -> (batch, kv_heads * n_rep, seq, head_dim)."""
-    if n_rep == 1:
-        return hidden_states
-    batch, kv_heads, seq_len, head_dim = hidden_states.shape
-    hidden_states = hidden_states[:, :, None].expand(batch, kv_heads, n_rep, seq_len, head_dim)
-    return hidden_states.reshape(batch, kv_heads * n_rep, seq_len, head_dim)
-
-
-def eager_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-):
-    """Softmax attention with an additive 4D mask (the window is in the mask). Returns (batch, seq, heads, head_dim)."""
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
-    attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
-    attn_output = torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
-    return attn_output, attn_weights
-
-
-def sliding_window_attention_blockwise(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    padding_mask: torch.Tensor | None,
-    window: int,
-    scaling: float,
-    dropout: float = 0.0,
-) -> torch.Tensor:
-    """Sliding-window attention computed one block of queries at a time, never building an L x L mask:
-    time and memory grow linearly with the length instead of quadratically.
-
-    query (batch, heads, q_len, head_dim); key/value (batch, kv_heads, kv_len, head_dim) where the first
-    kv_len - q_len keys are cached positions just before the queries; padding_mask (batch, kv_len) bool (False =
-    padding) or None. A query at index i sees the keys at indices i - window + 1 .. i. Returns (batch, q_len, heads,
-    head_dim), like the attention interface.
-    """
-    q_len, kv_len = query.shape[2], key.shape[2]
-    past = kv_len - q_len
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
-    output = torch.empty_like(query)
-    # Query blocks smaller than the window: each computes window + block - 1 scores per query instead of window
-    # needed, so 512 wastes at most a fifth of the work at window 2048 while keeping each sdpa call large.
-    block = min(window, 512)
-    for start in range(0, q_len, block):
-        end = min(start + block, q_len)
-        k_lo, k_hi = max(0, past + start - window + 1), past + end
-        # key j is visible to query i iff 0 <= (past + i) - j < window: a band of the (q_block, k_block) grid
-        offset = past + start - k_lo
-        mask = torch.ones(end - start, k_hi - k_lo, dtype=torch.bool, device=query.device)
-        mask = mask.tril(diagonal=offset).triu(diagonal=offset - window + 1)[None, None]
-        if padding_mask is not None:
-            mask = mask & padding_mask[:, None, None, k_lo:k_hi]
-            mask = mask | ~mask.any(-1, keepdim=True)  # a padded query that sees nothing: any finite output will do
-        output[:, :, start:end] = nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, k_lo:k_hi], value[:, :, k_lo:k_hi], attn_mask=mask,
-            dropout_p=dropout, scale=scaling,
-        )
-    return output.transpose(1, 2).contiguous()
-
-
-# flex_attention's block of queries and of keys; a long input's lengths are padded up to `flex_length`.
-FLEX_BLOCK_SIZE = 128
-
-
-def flex_length(length: int) -> int:
-    """The length flex_attention runs a long input at: the next power of two (one block at least). Compiled for
-    fixed shapes (with shapes left dynamic, torch 2.11's Triton template found no kernel for a cached continuation on
-    an H100), so every prompt between two powers of two shares one compiled kernel; the padded blocks are masked out
-    whole and skipped."""
-    return max(FLEX_BLOCK_SIZE, 1 << (length - 1).bit_length())
-
-
-@dataclass
-class SlidingWindowFlexMask:
-    """A long input's mask for the sliding layers on the flex_attention path: the band as a `BlockMask` over the
-    padded lengths (`flex_length`), and what the block-wise path takes instead if flex_attention fails here."""
-
-    block_mask: BlockMask
-    padding: torch.Tensor | None  # (batch, kv_len) bool: the keys that are not padding; None when all are
-    window: int
-
-
-_FLEX_MASK_SHAPES: set = set()  # the shapes the block mask builder was compiled for in this process
-
-
-def within_recompile_limit(compiled: set, shape: tuple, what: str) -> bool:
-    """Whether `what` may be compiled for `shape` (recorded in `compiled`, this process's shapes so far): not when
-    that would pass torch.compile's recompile limit, past which torch runs it uncompiled (said once)."""
-    limit = getattr(torch._dynamo.config, "recompile_limit", 8)
-    if shape not in compiled and len(compiled) >= limit:
-        logger.warning_once(
-            f"samba-hf: {what} has been compiled for {limit} shapes (torch.compile's recompile limit); sliding-window "
-            "inputs of other lengths or batch sizes go through the block-wise sdpa path."
-        )
-        return False
-    compiled.add(shape)
-    return True
-
-
-def sliding_window_block_mask(
-    padding_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, window: int, device: torch.device
-) -> SlidingWindowFlexMask | None:
-    """The sliding-window band of `sliding_window_attention_blockwise` for flex_attention: query i (at position
-    kv_len - q_len + i) sees key j iff 0 <= (kv_len - q_len + i) - j < window and key j is not padding; the padded
-    queries and keys up to `flex_length` see nothing. padding_mask (batch, kv_len) bool or None. Built once per
-    forward for all sliding layers (on a GPU by compiled code, as transformers' flex masks are); the lengths are
-    tensors, so that one compiled mask builder serves every length of a bucket. None where a new shape would pass
-    torch.compile's recompile limit (past it the builder runs uncompiled and materialises the whole mask): the
-    block-wise path then runs, said once."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    q_padded, kv_padded = flex_length(q_len), flex_length(kv_len)
-    shape = (device, None if padding_mask is None else batch, q_padded, kv_padded)
-    if device.type == "cuda" and not within_recompile_limit(_FLEX_MASK_SHAPES, shape, "flex_attention's block mask"):
-        return None
-    past, queries, keys = (torch.tensor(n, device=device) for n in (kv_len - q_len, q_len, kv_len))
-    padded_keys = None if padding_mask is None else nn.functional.pad(padding_mask, (0, kv_padded - kv_len))
-
-    def band(b, h, q_idx, kv_idx):
-        distance = q_idx + past - kv_idx
-        return (distance >= 0) & (distance < window) & (q_idx < queries) & (kv_idx < keys)
-
-    def band_and_padding(b, h, q_idx, kv_idx):
-        return band(b, h, q_idx, kv_idx) & padded_keys[b, kv_idx]
-
-    mask_mod = band if padding_mask is None else band_and_padding
-    block_mask = create_block_mask(mask_mod, None if padding_mask is None else batch, None, q_padded, kv_padded,
-                                   device=device, BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=device.type == "cuda")
-    return SlidingWindowFlexMask(block_mask, padding_mask, window)
-
-
-_COMPILED_FLEX_ATTENTION = None
-_FLEX_SHAPES: set = set()  # the shapes flex_attention was compiled for in this process
-
-
-def flex_attention_kernel(query: torch.Tensor, key: torch.Tensor, q_padded: int, kv_padded: int) -> Callable | None:
-    """flex_attention as this call runs it: on a GPU compiled for fixed shapes, or None where a new shape would pass
-    torch.compile's recompile limit (past it torch runs flex_attention uncompiled, materialising every score: the
-    block-wise path is far better); uncompiled on a CPU and inside a compiled model."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    global _COMPILED_FLEX_ATTENTION
-    if not query.is_cuda or torch.compiler.is_compiling():
-        return flex_attention
-    shape = (query.device, query.dtype, query.shape[:2], key.shape[:2], query.shape[3], q_padded, kv_padded,
-             torch.is_grad_enabled() and query.requires_grad)
-    if not within_recompile_limit(_FLEX_SHAPES, shape, "flex_attention"):
-        return None
-    if _COMPILED_FLEX_ATTENTION is None:
-        _COMPILED_FLEX_ATTENTION = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX_ATTENTION
-
-
-def sliding_window_attention_flex(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: SlidingWindowFlexMask,
-    scaling: float,
-) -> torch.Tensor:
-    """The same attention as `sliding_window_attention_blockwise`, through torch's flex_attention with the band of
-    `sliding_window_block_mask`: on a GPU one compiled kernel that skips the blocks outside the band (on an H100
-    4.5x the block-wise path's keys per second at 32K; docs/speed.md). Shapes as there; a padded query that sees no
-    key gets zeros. The inputs are padded to the mask's lengths (`flex_length`). Where flex_attention fails, this
-    call and every later one of its kind (`flex_attention_works`) go block-wise, said once."""
-    q_len, kv_len = query.shape[2], key.shape[2]
-    q_padded, kv_padded = mask.block_mask.shape[-2:]
-    attend = flex_attention_kernel(query, key, q_padded, kv_padded)
-    if attend is None:
-        return sliding_window_attention_blockwise(module, query, key, value, mask.padding, mask.window, scaling)
-    padded = [nn.functional.pad(t, (0, 0, 0, n - t.shape[2])) for t, n in
-              ((query, q_padded), (key, kv_padded), (value, kv_padded))]
-    try:
-        output = attend(*padded, block_mask=mask.block_mask, scale=scaling, enable_gqa=module.num_key_value_groups > 1)
-    except Exception as error:  # noqa: BLE001 - the compiler failing on a new shape must not end the forward
-        _FLEX_ATTENTION_WORKS[flex_attention_key(query.device, query.dtype, query.shape[3],
-                                                 module.num_key_value_groups)] = False
-        logger.warning_once(
-            f"samba-hf: flex_attention failed on {query.device} in {query.dtype} for {q_len} queries over {kv_len} keys "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); long sliding-window "
-            "inputs go through the block-wise sdpa path from here on."
-        )
-        return sliding_window_attention_blockwise(module, query, key, value, mask.padding, mask.window, scaling)
-    return output[:, :, :q_len].transpose(1, 2).contiguous()
-
-
-def flex_attention_key(device: torch.device, dtype: torch.dtype, head_dim: int, groups: int) -> tuple:
-    """What `flex_attention_works` decides for: the device, the dtype and the heads' shape."""
-    return str(device), dtype, head_dim, groups
-
-
-_FLEX_ATTENTION_WORKS: dict = {}
-
-
-def flex_attention_works(device: torch.device, dtype: torch.dtype, config) -> bool:
-    """Whether flex_attention compiles and runs right here: tried once per device, dtype and head shape on a small
-    sliding-window problem of the kinds the model runs (padded keys after a cached past, and a backward) against the
-    block-wise path. If it does not, that is said once and the block-wise path runs. Never called while
-    torch.compile traces (`SambaModel._flex_sliding`)."""
-    from types import SimpleNamespace
-
-    groups = config.num_attention_heads // config.num_key_value_heads
-    key = flex_attention_key(device, dtype, config.head_dim, groups)
-    if key not in _FLEX_ATTENTION_WORKS:
-        module = SimpleNamespace(num_key_value_groups=groups)
-        g = torch.Generator(device=device).manual_seed(0)
-        past, length, window = 40, 300, 64
-        q = torch.randn(2, 2 * groups, length, config.head_dim, generator=g, device=device).to(dtype)
-        k, v = (torch.randn(2, 2, past + length, config.head_dim, generator=g, device=device).to(dtype)
-                for _ in range(2))
-        padding = torch.ones(2, past + length, dtype=torch.bool, device=device)
-        padding[1, :100] = False  # the second row left-padded
-        scale, tolerance = config.head_dim**-0.5, (1e-3 if dtype == torch.float32 else 3e-2)
-        problem = None
-        try:
-            with torch.enable_grad():
-                outputs = []
-                for attend in ("flex", "block-wise"):
-                    # (flex_attention has no backward on a CPU, where the model never takes it: tests only)
-                    leaves = [t.detach().requires_grad_(q.is_cuda) for t in (q, k, v)]
-                    if attend == "flex":
-                        mask = sliding_window_block_mask(padding, 2, length, past + length, window, torch.device(device))
-                        out = sliding_window_attention_flex(module, *leaves, mask, scale)
-                    else:
-                        out = sliding_window_attention_blockwise(module, *leaves, padding, window, scale)
-                    out = out[padding[:, past:]]  # the padded queries' outputs are anything finite
-                    grads = torch.autograd.grad(out.float().sum(), leaves) if q.is_cuda else ()
-                    outputs.append([out.float(), *(t.float() for t in grads)])
-            # relative to each tensor's size: bf16 rounds a gradient of 20 to steps of 0.125
-            difference = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(*outputs))
-            if not difference <= tolerance:
-                problem = f"its values or gradients differ from the block-wise path's by {difference:.3g} of their size"
-        except Exception as error:  # noqa: BLE001 - any failure of the compiler or the kernel means: not here
-            problem = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        if problem is not None:
-            logger.warning_once(
-                f"samba-hf: flex_attention does not work on {device} in {dtype} ({problem}); long sliding-window "
-                "inputs go through the block-wise sdpa path (on an H200 3x slower per key at 4K, 5x at 32K)."
-            )
-        _FLEX_ATTENTION_WORKS[key] = problem is None
-    return _FLEX_ATTENTION_WORKS[key]
-
-
-# Attention implementations for which a long sliding-window prefill is computed block by block (or, on a GPU,
-# through flex_attention: `SambaModel._flex_sliding`).
-BLOCKWISE_IMPLEMENTATIONS = ("eager", "sdpa")
-
-
-def sdpa_backends(device: torch.device, queries: int, keys: int):
-    """The context an attention call of `queries` queries over `keys` keys runs in: on a GPU, for fewer queries than
-    keys (a step over a cache, whose keys grow by a token each step) and outside torch.compile, sdpa without cuDNN's
-    attention; otherwise sdpa's own choice. torch's sdpa takes cuDNN's attention first where it can (on an H100 with
-    torch 2.11, for a single query too: the decoding profile of 2026-11-26), and cuDNN builds a graph for every new
-    shape and keeps it (ATen's `cudnn/MHA.cpp` keys its graphs by the key length and the strides, without a bound): a
-    cache growing by one token would build one graph per attention layer at every step and keep them all. Flash and
-    memory-efficient attention have no cost per shape. Where a user has turned both of those off, their choice
-    stands."""
-    cuda = torch.backends.cuda
-    if device.type != "cuda" or queries >= keys or torch.compiler.is_compiling():
-        return contextlib.nullcontext()
-    if not (cuda.flash_sdp_enabled() or cuda.mem_efficient_sdp_enabled()):
-        return contextlib.nullcontext()
-    return _cudnn_attention_off()
-
-
-_CUDNN_OFF_LOCK = threading.Lock()
-_CUDNN_OFF_DEPTH = 0  # how many `_cudnn_attention_off` contexts are open, in all threads
-_CUDNN_WAS_ENABLED = True  # cuDNN's sdpa switch as the first of them found it
-
-
-@contextlib.contextmanager
-def _cudnn_attention_off():
-    """cuDNN's sdpa switch off while any of these contexts is open, in any thread (the switch is the process's, not
-    a thread's), and as it was found once the last one closes."""
-    global _CUDNN_OFF_DEPTH, _CUDNN_WAS_ENABLED
-    with _CUDNN_OFF_LOCK:
-        if _CUDNN_OFF_DEPTH == 0:
-            _CUDNN_WAS_ENABLED = torch.backends.cuda.cudnn_sdp_enabled()
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        _CUDNN_OFF_DEPTH += 1
-    try:
-        yield
-    finally:
-        with _CUDNN_OFF_LOCK:
-            _CUDNN_OFF_DEPTH -= 1
-            if _CUDNN_OFF_DEPTH == 0:
-                torch.backends.cuda.enable_cudnn_sdp(_CUDNN_WAS_ENABLED)
-
-
 class SambaAttention(nn.Module):
-    """Multi-head (GQA-capable) causal attention with RoPE; sliding-window for "sliding_attention" layers."""
+    """Multi-head (GQA-capable) causal attention with RoPE; sliding-window for "sliding_attention" layers. The
+    attention itself is transformers' interface for the configured implementation, or, for a long input's sliding
+    window, one of samba-hf's paths: `attention_forward` decides (attention_samba.py)."""
 
     def __init__(self, config: SambaConfig, layer_idx: int):
         super().__init__()
@@ -570,7 +163,7 @@ class SambaAttention(nn.Module):
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
-        attention_mask: torch.Tensor | None,
+        attention_mask,
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -588,70 +181,15 @@ class SambaAttention(nn.Module):
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
-        if self._bfloat16_decode_on_cpu(query_states, attention_mask, kwargs):
-            # PyTorch's CPU sdpa takes ~5x longer for one bfloat16 query than for one float32 query
-            dtype = query_states.dtype
-            query_states, key_states, value_states = query_states.float(), key_states.float(), value_states.float()
-        else:
-            dtype = None
-
-        if self.sliding_window is not None and isinstance(attention_mask, SlidingWindowFlexMask):  # see _mask_mapping
-            attn_output = sliding_window_attention_flex(
-                self, query_states, key_states, value_states, attention_mask, self.scaling
-            )
-            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
-
-        if self._is_blockwise(query_states, attention_mask):
-            padding = None if attention_mask is None else attention_mask[:, -key_states.shape[2] :]
-            attn_output = sliding_window_attention_blockwise(
-                self, query_states, key_states, value_states, padding, self.sliding_window, self.scaling,
-                dropout=0.0 if not self.training else self.attention_dropout,
-            )
-            return self.o_proj(attn_output.reshape(*input_shape, -1)), None
-
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        with sdpa_backends(query_states.device, query_states.shape[2], key_states.shape[2]):
-            attn_output, attn_weights = attention_interface(
-                self,
-                query_states,
-                key_states,
-                value_states,
-                attention_mask,
-                dropout=0.0 if not self.training else self.attention_dropout,
-                scaling=self.scaling,
-                sliding_window=self.sliding_window,  # flash-attention reads the window here, the others from the mask
-                **kwargs,
-            )
-        if dtype is not None:
-            attn_output = attn_output.to(dtype)
+        attn_output, attn_weights = attention_forward(
+            self, attention_interface, query_states, key_states, value_states, attention_mask, scaling=self.scaling,
+            dropout=0.0 if not self.training else self.attention_dropout, **kwargs,
+        )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
-
-    def _bfloat16_decode_on_cpu(self, query: torch.Tensor, attention_mask, kwargs) -> bool:
-        """One bfloat16 query per sequence on CPU, through sdpa or eager, with a boolean mask or none, no attention
-        weights asked for: attend in float32 (faster there, and no less exact)."""
-        return (
-            query.device.type == "cpu"
-            and query.dtype == torch.bfloat16
-            and query.shape[2] == 1
-            and self.config._attn_implementation in ("sdpa", "eager")
-            and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool))
-            and not kwargs.get("output_attentions")
-            and not self.training
-        )
-
-    def _is_blockwise(self, query: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
-        """SambaModel hands a sliding layer a 2D padding mask (or None) instead of a 4D mask when the prompt is
-        longer than the window and the implementation has no window of its own (see `SambaModel.forward`)."""
-        return (
-            self.sliding_window is not None
-            and query.shape[2] > self.sliding_window
-            and self.config._attn_implementation in BLOCKWISE_IMPLEMENTATIONS
-            and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2))
-        )
-
 
 class PackedDocuments:
     """Where the documents of a packed batch lie (position_ids restarting at each document, as
@@ -756,10 +294,9 @@ class SambaMambaMixer(nn.Module):
             return self.out_proj(y * self.act(z)), y
         return self.out_proj(y)
 
-
     def decay_rates(self) -> torch.Tensor:
         """A = -exp(A_log), float32. Without autograd it is kept between calls while A_log is unchanged (same storage,
-        same version): a decoding step would otherwise spend about 0.1 ms per layer on d_inner x d_state exps."""
+        same version): a decoding step would otherwise compute d_inner x d_state exps per layer again."""
         A_log = self.A_log
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return -torch.exp(A_log.float())
@@ -967,44 +504,10 @@ class SambaPreTrainedModel(PreTrainedModel):
             )
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' save_pretrained, plus what tools that never import samba_hf need: an `auto_map` entry for
-        `AutoModel` too (transformers writes only the saved class's), and a model card with Hub metadata when the
-        folder has no README.md (one that is there is never replaced). Saving shards where an earlier save left one
-        model.safetensors (or the reverse) removes the earlier one, as transformers removes earlier shards: otherwise
-        `from_pretrained` would load the earlier weights."""
-        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), "AutoModel": self._auto_model_entry}
-        single, index = (os.path.join(save_directory, name)
-                         for name in ("model.safetensors", "model.safetensors.index.json"))
+        """transformers' save_pretrained, plus `auto_map["AutoModel"]`, a model card, and no earlier weights left
+        beside the new ones (`hub_samba.save_folder`)."""
+        save_folder(self, save_directory, super().save_pretrained, *args, **kwargs)
 
-        def stamp(path):  # what tells a file this call wrote from the one that was there
-            try:
-                stat = os.stat(path)
-            except FileNotFoundError:
-                return None
-            return stat.st_mtime_ns, stat.st_ino, stat.st_size
-
-        before = {path: stamp(path) for path in (single, index)}
-        # A model sharded by FSDP2 is an instance of a class torch made (`FSDPSambaForCausalLM`, in torch's
-        # _fsdp_init.py): named as it is, the folder's remote code would be torch's FSDP files. Save the model's class.
-        made, saved_class = type(self), next(c for c in type(self).__mro__ if not c.__module__.startswith("torch."))
-        named = made.__module__, made.__name__, made.__qualname__
-        made.__module__, made.__name__, made.__qualname__ = (saved_class.__module__, saved_class.__name__,
-                                                             saved_class.__qualname__)
-        try:
-            super().save_pretrained(save_directory, *args, **kwargs)
-        finally:
-            made.__module__, made.__name__, made.__qualname__ = named
-        if kwargs.get("is_main_process", True):
-            written = [path for path in (single, index) if stamp(path) not in (None, before[path])]
-            if len(written) == 1:  # the other one, if there, is an earlier save's
-                earlier = index if written[0] == single else single
-                if os.path.isfile(earlier):
-                    os.remove(earlier)
-            try:
-                with open(f"{save_directory}/README.md", "x") as card:  # "x": only where there is none
-                    card.write(model_card(self.config, "Samba model", "Saved with samba-hf's `save_pretrained`."))
-            except FileExistsError:
-                pass
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
@@ -1081,6 +584,9 @@ class SambaPreTrainedModel(PreTrainedModel):
 
 
 class SambaModel(SambaPreTrainedModel):
+    # Whether a long input's sliding window is computed by samba-hf's own paths (`attention_samba.sliding_window_mask`)
+    _owns_long_sliding_window = True
+
     def __init__(self, config: SambaConfig):
         super().__init__(config)
         self.vocab_size = config.vocab_size
@@ -1111,10 +617,7 @@ class SambaModel(SambaPreTrainedModel):
             runs them on those positions only.
         """
         past_key_values = one_cache(past_key_values, cache)
-        if (input_ids is None) ^ (inputs_embeds is not None):
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if not torch.compiler.is_compiling():  # the checks read tensor values on the host: they would break graphs
-            self._check_inputs(input_ids, inputs_embeds, attention_mask, past_key_values)
+        check_inputs(self.config, input_ids, inputs_embeds, attention_mask, past_key_values)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         documents = self._packed_documents(position_ids, attention_mask, past_key_values, inputs_embeds.shape[0])
@@ -1123,35 +626,29 @@ class SambaModel(SambaPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if past_key_values is not None:
-            self._write_windows_in_place(past_key_values)
+            write_windows_in_place(past_key_values)
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if self._has_attention_cache(past_key_values) else 0
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
+            past_seen = past_key_values.get_seq_length() if has_attention_cache(past_key_values, self.config) else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
 
         # packed documents go through in one piece (their boundaries were found once, above)
         chunk = self._inference_chunk(inputs_embeds, attention_mask, past_key_values, kwargs) if documents is None else 0
         if chunk:
-            # Long inference input: go through the cache a chunk at a time (exactly equal, tested; the activations
-            # of a chunk stay in the CPU caches and memory stays bounded by the chunk, not the prompt).
+            # A long inference input goes through the cache a chunk at a time (exactly equal, tested): the activations
+            # of a chunk stay in the CPU caches, and memory is bounded by the chunk, not the prompt.
             chunk_cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
             length = inputs_embeds.shape[1]
             first_kept = length - min(keep_last, length) if keep_last is not None else 0
-            hidden_states = torch.cat(
-                [
-                    self._run_layers(
-                        inputs_embeds[:, s : s + chunk], None, position_ids[:, s : s + chunk], chunk_cache,
-                        kwargs,
-                        keep_last=max(0, min(s + chunk, length) - max(s, first_kept)),  # of this chunk's positions
-                    )
-                    for s in range(0, length, chunk)
-                ],
-                dim=1,
-            )
+            hidden_states = torch.cat([
+                self._run_layers(
+                    inputs_embeds[:, s : s + chunk], None, position_ids[:, s : s + chunk], chunk_cache, kwargs,
+                    keep_last=max(0, min(s + chunk, length) - max(s, first_kept)),  # of this chunk's positions
+                )
+                for s in range(0, length, chunk)
+            ], dim=1)
         else:
             hidden_states = self._run_layers(
-                inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=documents,
-                keep_last=keep_last,
+                inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents, keep_last
             )
         if keep_last is not None:
             hidden_states = hidden_states[:, hidden_states.shape[1] - min(keep_last, hidden_states.shape[1]) :]
@@ -1159,147 +656,6 @@ class SambaModel(SambaPreTrainedModel):
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states, **{CACHE_NAME: past_key_values if use_cache else None}
         )
-
-    @staticmethod
-    def _write_windows_in_place(cache):
-        """Fresh sliding-window layers of a `DynamicCache` become `SambaSlidingWindowLayer`s (same contents and
-        behaviour, no copy of the window per step); layers already holding states, and other caches, are left as
-        they are."""
-        layers = getattr(cache, "layers", [])
-        for i, layer in enumerate(layers):
-            if type(layer) is DynamicSlidingWindowLayer and not layer.is_initialized:
-                layers[i] = SambaSlidingWindowLayer(sliding_window=layer.sliding_window)
-
-    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_key_values):
-        """Raise a ValueError that names the problem and the fix for inputs that would otherwise fail deep in torch
-        or silently change the result. Cheap: shapes, and one look at the ids and at a 2D mask (small tensors);
-        except in a decoding step on a GPU, where that look would stop the host until the GPU had caught up
-        (`_reads_values`)."""
-        if input_ids is not None:
-            if input_ids.ndim != 2 or 0 in input_ids.shape:
-                raise ValueError(
-                    f"input_ids must have shape (batch, seq) with batch >= 1 and seq >= 1, got "
-                    f"{tuple(input_ids.shape)}: pass at least one sequence of at least one token, and add the batch "
-                    "dimension to a single sequence (`input_ids[None]`)."
-                )
-            if input_ids.dtype not in (torch.long, torch.int):
-                raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}: use `.long()`.")
-        elif inputs_embeds.ndim != 3 or 0 in inputs_embeds.shape[:2]:
-            raise ValueError(
-                f"inputs_embeds must have shape (batch, seq, hidden_size) with batch >= 1 and seq >= 1, got "
-                f"{tuple(inputs_embeds.shape)}."
-            )
-        elif not inputs_embeds.is_floating_point():
-            raise ValueError(
-                f"inputs_embeds must be floating point (embedding vectors), got dtype {inputs_embeds.dtype}: pass "
-                f"token ids as `input_ids`, or convert the vectors with `.to(model.dtype)`."
-            )
-        tokens = input_ids if input_ids is not None else inputs_embeds
-        reads_values = self._reads_values(tokens, past_key_values)
-        if input_ids is not None and reads_values:
-            low, high = torch.stack(torch.aminmax(input_ids)).tolist()
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(
-                    f"input_ids holds ids from {low} to {high}, but the vocabulary has {self.config.vocab_size} "
-                    f"entries (ids 0..{self.config.vocab_size - 1}): the tokenizer does not match this model, or "
-                    "padding/label values (-100) were passed as ids; resize the embeddings if tokens were added."
-                )
-        batch, length = tokens.shape[:2]
-        if past_key_values is not None:
-            self._check_cache(past_key_values, batch)
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim != 4:  # 4D masks are taken as they are
-            self._check_attention_mask(attention_mask, batch, length, past_key_values, reads_values)
-
-    def _reads_values(self, tokens: torch.Tensor, past_key_values: Cache | None) -> bool:
-        """Whether the checks may look at the ids' and the mask's values: always on a CPU; on a GPU, not in a
-        decoding step (one token per sequence over a `DynamicCache` holding earlier ones), where reading a value back
-        waits for the GPU to finish the step before and so stops the host running ahead (on an H100, 2026-11-26,
-        samba-hf's decoding steps synchronised once each, transformers' models' not at all). A step's ids come from
-        the model's own logits, and the prompt's were checked. (Other caches are always read: whether a static
-        cache is empty cannot be told without reading it, and generate compiles its steps, where no check runs.)"""
-        if tokens.device.type == "cpu" or tokens.shape[1] != 1 or type(past_key_values) is not DynamicCache:
-            return True
-        return self._past_length(past_key_values) == 0  # a one-token prompt into an empty cache is still checked
-
-    def _check_cache(self, cache, batch: int):
-        """`past_key_values` must have been built for this model (same layers, same kinds, same widths) and batch.
-        Reads the layers' classes and their tensors' shapes only."""
-        config = self.config
-        fix = "pass `DynamicCache(config=model.config)` (or no cache), one per model and batch"
-        if cache.layer_class_to_replicate is not None and "linear_attention" in config.layer_types:
-            raise ValueError(
-                "past_key_values was built without a config (e.g. `DynamicCache()`), so it has no conv and SSM states "
-                f"for the Mamba layers: {fix}."
-            )
-        layers, n = cache.layers, config.num_hidden_layers
-        if len(layers) > n or (cache.layer_class_to_replicate is None and len(layers) != n):
-            raise ValueError(f"past_key_values has {len(layers)} layers but this model has {n}: {fix}.")
-        kinds = [cache_layer_kind(layer) for layer in layers]
-        sharing = getattr(config, "kv_sharing_modes", None) or ["own"] * n  # "reuse": no cache of its own
-        expected = ["dummy" if mode == "reuse" or kind == "mlp" else kind for kind, mode in zip(config.layer_types, sharing)]
-        # a full-attention cache keeps all a sliding layer needs (a `DynamicCache()` of an attention-only model)
-        if any(k != t and (k, t) != ("full_attention", "sliding_attention") for k, t in zip(kinds, expected)):
-            raise ValueError(
-                f"past_key_values was built for another layout: its layers are {kinds}, this model's are "
-                f"{expected}: {fix}."
-            )
-        for i, (kind, layer) in enumerate(zip(kinds, layers)):
-            window = getattr(layer, "sliding_window", None)
-            if kind == "sliding_attention" and isinstance(window, int) and window < config.sliding_window:
-                raise ValueError(
-                    f"past_key_values keeps a sliding window of {window} tokens at layer {i}, this model needs "
-                    f"{config.sliding_window}: {fix}."
-                )
-            if (shape := cache_layer_shape(layer)) is None:
-                continue
-            if kind != "linear_attention":
-                widths = (config.num_key_value_heads, config.head_dim)
-            elif config.mamba_version == 2:
-                widths = (config.mamba2_num_heads, config.mamba2_head_dim, config.mamba_d_state, config.mamba_d_conv)
-            else:
-                widths = (config.mamba_d_inner, config.mamba_d_state, config.mamba_d_conv)
-            if shape[0] != batch:
-                raise ValueError(
-                    f"past_key_values holds a batch of {shape[0]} sequences but the input has {batch}: a cache "
-                    "continues the batch it was filled with; start a new `DynamicCache(config=model.config)` for a "
-                    "new batch (generate reorders it for beams itself)."
-                )
-            if shape[1] != widths:
-                raise ValueError(
-                    f"past_key_values was built for another config: layer {i} ({kind}) holds states of widths "
-                    f"{shape[1]}, this model's are {widths}: {fix}."
-                )
-
-    def _check_attention_mask(self, mask: torch.Tensor, batch: int, length: int, past_key_values, reads_values=True):
-        """A 2D mask has one row per sequence and one column per token, the cached ones included (as generate
-        builds it), and holds 1 for tokens, 0 for padding (or True/False; the values where `reads_values`)."""
-        past = self._past_length(past_key_values)
-        if mask.ndim != 2 or mask.shape[0] != batch or (
-            mask.shape[1] < length if past is None else mask.shape[1] != past + length
-        ):
-            expected = f"({batch}, >= {length})" if past is None else f"({batch}, {past + length})"
-            cached = "" if past == 0 else f", the {'' if past is None else f'{past} '}cached ones included"
-            raise ValueError(
-                f"attention_mask has shape {tuple(mask.shape)}, expected {expected}: one row per sequence and one "
-                f"column per token{cached} (1 for tokens, 0 for padding); or pass a 4D mask."
-            )
-        if reads_values and mask.dtype != torch.bool and bool((other := (mask != 0) & (mask != 1)).any()):
-            raise ValueError(
-                f"attention_mask must hold only 1 (token) and 0 (padding), or be a bool mask; it holds "
-                f"{mask[other][0].item()}: convert it with `(attention_mask > 0).long()` if it marks tokens with "
-                "other values."
-            )
-
-    def _past_length(self, past_key_values: Cache | None) -> int | None:
-        """The tokens a 2D mask must cover before the new ones, or None where the cache cannot say cheaply (Mamba
-        layers only, or a static cache, whose masks generate makes itself)."""
-        if past_key_values is None:
-            return 0
-        if type(past_key_values) is not DynamicCache:
-            return None
-        if self._has_attention_cache(past_key_values):
-            return past_key_values.get_seq_length()
-        return None if past_key_values.has_previous_state() else 0
 
     def _run_layers(
         self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=None, keep_last=None
@@ -1325,65 +681,24 @@ class SambaModel(SambaPreTrainedModel):
         return hidden_states
 
     def _mask_mapping(self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents) -> dict:
-        """One mask per kind of layer (`config.layer_types`), built once per forward; generate() may pass them
-        ready-made as a dict."""
-        if not isinstance(mask_mapping := attention_mask, dict):
-            mask_kwargs = {
-                "config": self.config,
-                "inputs_embeds": inputs_embeds,
-                "attention_mask": attention_mask,
-                CACHE_NAME: past_key_values,
-                "position_ids": position_ids,
-            }
-            # Each mask is sized against the cache of the first layer of its kind.
-            mask_mapping = {
-                kind: MASK_BUILDERS[kind](**mask_kwargs, layer_idx=self.config.layer_types.index(kind))
-                for kind in set(self.config.layer_types) & set(MASK_BUILDERS)
-                if not (
-                    kind == "sliding_attention"
-                    and documents is None  # the block-wise path knows no document boundaries
-                    and (attention_mask is None or attention_mask.ndim == 2)  # a 4D mask is used as given
-                    and self._blockwise_sliding(inputs_embeds, past_key_values, kwargs)
-                )
-            }
-            if "sliding_attention" not in mask_mapping and "sliding_attention" in self.config.layer_types:
-                # Long input: sliding layers go block by block from the 2D padding mask (no L x L mask is built),
-                # or on a GPU through flex_attention with a block mask of the band.
-                padding = None if attention_mask is None else attention_mask.bool()
-                mask_mapping["sliding_attention"] = padding
-                if self._flex_sliding(inputs_embeds):
-                    q_len = inputs_embeds.shape[1]
-                    kv_len = q_len + self._sliding_cache_length(past_key_values)
-                    keys_padding = None if padding is None or bool(padding.all()) else padding[:, -kv_len:]
-                    flex_mask = sliding_window_block_mask(
-                        keys_padding, inputs_embeds.shape[0], q_len, kv_len, self.config.sliding_window,
-                        inputs_embeds.device,
-                    )
-                    if flex_mask is not None:  # (None: past the compile limit, block-wise)
-                        mask_mapping["sliding_attention"] = flex_mask
-        return mask_mapping
-
-    def _flex_sliding(self, inputs_embeds: torch.Tensor) -> bool:
-        """Whether the long sliding-window input `_blockwise_sliding` chose goes through flex_attention instead: on a
-        GPU (where it measured 3x the block-wise path per key at 4K, 5x at 32K, docs/speed.md; on a CPU the
-        block-wise path is the one without a compiler), not while torch.compile traces this forward (the block-wise
-        path is plain torch), with flex_attention working there in the dtype attention runs in (autocast's, when on;
-        `flex_attention_works`), and no attention dropout to apply (flex_attention has none)."""
-        if not inputs_embeds.is_cuda or torch.compiler.is_compiling():
-            return False
-        if self.training and self.config.attention_dropout > 0:
-            return False
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else inputs_embeds.dtype
-        return flex_attention_works(inputs_embeds.device, dtype, self.config)
-
-    def _sliding_cache_length(self, past_key_values: Cache | None) -> int:
-        """How many positions the sliding layers' cache holds before this input (they all hold the same)."""
-        if past_key_values is None:
-            return 0
-        index = self.config.layer_types.index("sliding_attention")
-        if index >= len(past_key_values.layers) or not past_key_values.layers[index].is_initialized:
-            return 0
-        return past_key_values.layers[index].keys.shape[-2]
+        """One mask per kind of layer (`config.layer_types`), built once per forward (each sized against the cache of
+        the first layer of its kind); generate() may pass them ready-made as a dict. A long input's sliding layers
+        take samba-hf's own mask where `sliding_window_mask` gives one."""
+        if isinstance(attention_mask, dict):
+            return attention_mask
+        config, kinds = self.config, set(self.config.layer_types) & set(MASK_BUILDERS)
+        sliding = None
+        if "sliding_attention" in kinds and self._owns_long_sliding_window:
+            output_attentions = kwargs.get("output_attentions", config.output_attentions)
+            sliding = sliding_window_mask(config, inputs_embeds, attention_mask, past_key_values,
+                                          documents is not None, output_attentions, self.training)
+        mask_kwargs = {"config": config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                       CACHE_NAME: past_key_values, "position_ids": position_ids}
+        return {
+            kind: sliding if kind == "sliding_attention" and sliding is not None
+            else MASK_BUILDERS[kind](**mask_kwargs, layer_idx=config.layer_types.index(kind))
+            for kind in kinds
+        }
 
     def _packed_documents(self, position_ids, attention_mask, past_key_values, batch_size) -> PackedDocuments | None:
         """Documents packed into one row (position_ids restart within a row, no padding), or None."""
@@ -1394,7 +709,7 @@ class SambaModel(SambaPreTrainedModel):
         document_ids = find_packed_sequence_indices(position_ids)
         if document_ids is None:
             return None
-        if self._cache_has_content(past_key_values):
+        if cache_has_content(past_key_values, self.config):
             raise ValueError(
                 "Packed sequences (position_ids restarting inside a row) cannot continue from a cache: run packed "
                 "batches without past_key_values, or pass one document per row."
@@ -1404,9 +719,8 @@ class SambaModel(SambaPreTrainedModel):
     def _inference_chunk(self, inputs_embeds, attention_mask, past_key_values, kwargs) -> int:
         """The chunk length to split this forward into, or 0. Only inference (no autograd) over an input longer than
         `config.inference_chunk_size`, without padding, per-layer outputs, packed sequences or a static cache. On a
-        GPU the chunks are at least `CUDA_MIN_INFERENCE_CHUNK` tokens: they are there for a CPU's caches, and on an
-        H200 each 4096-token chunk after the first cost Samba-1.3B's scan a continuation from the cached state
-        (about 7 ms per Mamba layer with mamba-ssm: 8K took 3.7x the time of 4K), while memory stays bounded."""
+        GPU the chunks are at least `CUDA_MIN_INFERENCE_CHUNK` tokens: there, chunks only bound memory, and each
+        continuation from a cached state costs the scan a launch of its own."""
         chunk = self.config.inference_chunk_size
         if chunk and inputs_embeds.is_cuda:
             chunk = max(chunk, CUDA_MIN_INFERENCE_CHUNK)
@@ -1421,29 +735,6 @@ class SambaModel(SambaPreTrainedModel):
         if past_key_values is not None and type(past_key_values) is not DynamicCache:
             return 0
         return chunk
-
-    def _blockwise_sliding(self, inputs_embeds: torch.Tensor, past_key_values: Cache | None, kwargs: dict) -> bool:
-        """Whether this forward computes its sliding-window layers block by block: inputs longer than the window,
-        an implementation without a window of its own (eager, sdpa), no attention weights asked for, and no cache or
-        the dynamic one (static caches come with ready-made masks from generate)."""
-        return (
-            inputs_embeds.shape[1] > self.config.sliding_window
-            and self.config._attn_implementation in BLOCKWISE_IMPLEMENTATIONS
-            and not kwargs.get("output_attentions", self.config.output_attentions)
-            and (past_key_values is None or type(past_key_values) is DynamicCache)
-        )
-
-    def _cache_has_content(self, past_key_values: Cache | None) -> bool:
-        if past_key_values is None:
-            return False
-        if self._has_attention_cache(past_key_values):
-            return past_key_values.get_seq_length() > 0
-        return past_key_values.has_previous_state()
-
-    def _has_attention_cache(self, past_key_values: Cache | None) -> bool:
-        # A cache of Mamba (and MLP) layers only tracks no sequence length (and asking it raises).
-        return past_key_values is not None and any(kind in ATTENTION_TYPES for kind in self.config.layer_types)
-
 
 class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -1545,116 +836,14 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
             generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
         if cache is not None:
-            self._check_static_cache_room(cache, max_cache_length)
-
-    def _check_static_cache_room(self, cache: Cache, positions: int):
-        """A static cache given to generate must keep what each layer reads back of `positions` tokens: a
-        full-attention layer all of them (too few: transformers fails writing past the end, as for Llama), a sliding
-        layer `min(positions, sliding_window)` (too few: transformers' static sliding layer keeps, and attends to,
-        only `max_cache_len` positions, and the tokens silently change), a Mamba layer nothing (its state has no
-        length: any `max_cache_len` will do)."""
-        for i, layer in enumerate(cache.layers):
-            if not isinstance(layer, StaticLayer):
-                continue
-            needed = min(positions, self.config.sliding_window) if layer.is_sliding else positions
-            if layer.max_cache_len < needed:
-                kind, window = "full", ""
-                if layer.is_sliding:
-                    kind, window = "sliding-window", f", of which the layer reads the last {self.config.sliding_window}"
-                raise ValueError(
-                    f"The StaticCache keeps {layer.max_cache_len} positions at layer {i} ({kind} attention), but this "
-                    f"generate needs {needed}: it writes {positions} (the prompt and max_new_tokens, less the last "
-                    f"token, which is never fed back){window}. Build it with `StaticCache(config=model.config, "
-                    f"max_cache_len={positions})` or more, or pass `cache_implementation=\"static\"`, which sizes it."
-                )
+            check_static_cache_room(cache, self.config, max_cache_length)
 
     def cache_nbytes(self, batch_size: int = 1, seq_len: int | None = None, dtype: torch.dtype | None = None) -> int:
-        """Bytes held by the generation cache (`DynamicCache(config=...)`) once `seq_len` tokens have been seen.
-
-        Per Mamba layer: one conv window (batch, d_inner, d_conv) in the model dtype and one SSM state
-        (batch, d_inner, d_state) in float32, whatever the length; per Mamba-2 layer the conv window covers x, B and C
-        (batch, d_inner + 2 * groups * d_state, d_conv) and the state is (batch, heads, head_dim, d_state), float32.
-        "mlp" layers keep nothing. Per sliding layer: a buffer of `sliding_window - 1 + window_slack` positions of
-        keys and values, whatever the length (`SambaSlidingWindowLayer` allocates it whole at the first decoding
-        step). Per full-attention layer: keys and values for all `seq_len` positions. Counted as storage, from the
-        first decoding step on (after a prompt and before that step, a sliding layer still holds the prompt's keys
-        and values, as transformers' layer does).
-        `seq_len=None` means "any length past the window" (the size a Samba layout never exceeds); it is an error
-        for layouts with full-attention layers, whose cache has no bound.
-        """
-        config = self.config
-        element = torch.finfo(dtype or self.dtype).bits // 8
-        kv_per_position = 2 * batch_size * config.num_key_value_heads * config.head_dim * element
-        total = 0
-        for kind in config.layer_types:
-            if kind == "linear_attention":
-                conv_channels = config.mamba_d_inner
-                if config.mamba_version == 2:
-                    conv_channels += 2 * config.mamba2_n_groups * config.mamba_d_state
-                total += batch_size * (conv_channels * config.mamba_d_conv * element
-                                       + config.mamba_d_inner * config.mamba_d_state * 4)
-            elif kind == "mlp":
-                continue
-            elif kind == "sliding_attention":
-                total += kv_per_position * (config.sliding_window - 1 + window_slack(config.sliding_window))
-            elif seq_len is None:
-                raise ValueError("this layout has full-attention layers, whose cache grows with length: pass seq_len")
-            else:
-                total += kv_per_position * seq_len
-        return total
-
-
-def hub_metadata(license: str = "unknown", base_model: str | None = None, extra_tags: list[str] = ()) -> str:
-    """The YAML front matter of a Samba model card (Hub metadata), without the `---` lines."""
-    from huggingface_hub import ModelCardData
-
-    tags = ["samba", "mamba", "sliding-window-attention", "samba-hf", *extra_tags]
-    return ModelCardData(
-        library_name="transformers", license=license, tags=list(dict.fromkeys(tags)), pipeline_tag="text-generation",
-        base_model=base_model,
-    ).to_yaml()
-
-
-def architecture(config: SambaConfig) -> str:
-    """What the layout is, in words, for a model card."""
-    if config.model_type != "samba":
-        return ("SambaY (Phi-4-mini-flash-reasoning's architecture): a Samba self-decoder, then a YOCO cross-decoder "
-                "with Gated Memory Units")
-    if "mlp" in config.layer_types:
-        mixers = "Mamba-2" if config.mamba_version == 2 else "Mamba"
-        return (f"a hybrid of {mixers}, attention and MLP blocks of one sub-layer each (pattern "
-                f"{config.hybrid_pattern}), as NVIDIA's Mamba-2-Hybrid (Waleffe et al., 2024)")
-    mixers = "Mamba-2" if config.mamba_version == 2 else "Mamba"
-    return (f"Samba (Ren et al., ICLR 2025): {mixers} and attention layers (pattern {config.hybrid_pattern}), each "
-            "followed by an MLP" if config.mixer_mlp else f"{mixers} and attention layers (pattern "
-            f"{config.hybrid_pattern}) without MLPs")
-
-
-def model_card(config: SambaConfig, title: str, details: str, **metadata) -> str:
-    """A README.md for a Samba folder: Hub metadata, what the model is, and how to load it with or without samba-hf."""
-    layers = ", ".join(f"{config.layer_types.count(t)} {t}" for t in dict.fromkeys(config.layer_types))
-    return f"""---
-{hub_metadata(**metadata)}
----
-
-# {title}
-
-{details}
-
-- Layers: {config.num_hidden_layers} ({layers}); hidden size {config.hidden_size}, vocabulary {config.vocab_size}.
-- Architecture: {architecture(config)}, in the transformers implementation of samba-hf.
-
-## Use
-
-```python
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO", trust_remote_code=True)  # or `import samba_hf` first
-```
-
-The folder carries its own modeling code (`modeling_samba.py`, `configuration_samba.py`, `ssm_samba.py`, `linear_samba.py`,
-`triton_scan_samba.py`, `triton_conv_samba.py`), so
-`trust_remote_code=True` works without the samba-hf package.
-"""
+        """Bytes held by the generation cache (`DynamicCache(config=...)`) once `seq_len` tokens have been seen, in
+        `dtype` (default: the model's; the SSM states are float32 in every dtype). Constant in `seq_len` for a Samba
+        layout; `seq_len=None` means "any length past the window", an error for layouts with full-attention layers,
+        whose cache has no bound. What each layer holds: `cache_samba.cache_nbytes`."""
+        return cache_nbytes(self.config, batch_size, seq_len, torch.finfo(dtype or self.dtype).bits // 8)
 
 
 __all__ = ["SambaForCausalLM", "SambaModel", "SambaPreTrainedModel"]

@@ -37,16 +37,8 @@ from transformers.utils import logging
 
 from .configuration_sambay import SambaYConfig
 from .linear_samba import SambaLinear
-from .modeling_samba import (
-    SambaForCausalLM,
-    SambaMambaMixer,
-    SambaModel,
-    SambaPreTrainedModel,
-    SambaRMSNorm,
-    eager_attention_forward,
-    sdpa_backends,
-    window_slack,
-)
+from .attention_samba import eager_attention_forward, sdpa_backends
+from .modeling_samba import SambaForCausalLM, SambaMambaMixer, SambaModel, SambaPreTrainedModel, SambaRMSNorm
 
 logger = logging.get_logger(__name__)
 
@@ -252,6 +244,9 @@ class SambaYPreTrainedModel(SambaPreTrainedModel):
 
 
 class SambaYModel(SambaYPreTrainedModel, SambaModel):
+    # sliding layers read their mask as transformers builds it (long inputs go through in chunks)
+    _owns_long_sliding_window = False
+
     def __init__(self, config: SambaYConfig):
         SambaYPreTrainedModel.__init__(self, config)
         self.vocab_size = config.vocab_size
@@ -308,9 +303,6 @@ class SambaYModel(SambaYPreTrainedModel, SambaModel):
             )[None, None]
         return False
 
-    def _blockwise_sliding(self, inputs_embeds, past_key_values, kwargs) -> bool:
-        return False  # sliding layers read their mask as transformers builds it (long inputs go through in chunks)
-
 
 class SambaYForCausalLM(SambaYPreTrainedModel, SambaForCausalLM):
     def __init__(self, config: SambaYConfig):
@@ -319,23 +311,6 @@ class SambaYForCausalLM(SambaYPreTrainedModel, SambaForCausalLM):
         self.vocab_size = config.vocab_size
         self.lm_head = SambaLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def cache_nbytes(self, batch_size: int = 1, seq_len: int | None = None, dtype: torch.dtype | None = None) -> int:
-        """Bytes held by the generation cache once `seq_len` tokens have been seen: per self-decoder Mamba layer
-        (and layer L/2) a conv window and a float32 SSM state; per sliding layer a buffer of `sliding_window - 1`
-        positions of keys and values and `window_slack` of room; layer L/2 + 1's keys and values for all `seq_len` positions, which is all
-        that grows (2 * kv_heads * head_dim * element bytes per token); nothing for the cross-decoder."""
-        if seq_len is None:
-            raise ValueError("SambaY keeps one full key/value cache (layer L/2 + 1), which grows: pass seq_len")
-        config = self.config
-        element = torch.finfo(dtype or self.dtype).bits // 8
-        kv_per_position = 2 * batch_size * config.num_key_value_heads * config.head_dim * element
-        mamba = batch_size * config.mamba_d_inner * (config.mamba_d_conv * element + config.mamba_d_state * 4)
-        per_block = {"mamba": mamba, "memory": mamba, "gmu": 0, "cross_attention": 0,
-                     "sliding_attention": kv_per_position * (config.sliding_window - 1
-                                                             + window_slack(config.sliding_window)),
-                     "full_attention": kv_per_position * seq_len}
-        return sum(per_block[block] for block in config.block_types)
 
 
 __all__ = ["SambaYForCausalLM", "SambaYModel", "SambaYPreTrainedModel"]

@@ -14,9 +14,9 @@ One program per (sequence, block of BLOCK_D channels) walks the sequence in orde
 (BLOCK_D x d_state, float32) in registers: no (tokens x channels x states) tensor is ever built, and the inputs are
 read in the mixers' (batch, seq, channels) layout. It takes TILE tokens a step: their inputs loaded at once, their
 states found by an associative scan over the tile (two steps h -> a h + b compose into one), so that the walk waits
-on memory once a tile rather than once a token (one token a step, the H100 run's kernel, took 1.28 ms a layer at
-4K, 25x what moving its tensors takes). A zero step (dt = 0, padding) leaves the state as it was. The same kernel
-with one token is the decoding step.
+on memory once a tile rather than once a token (a token a step leaves it waiting far longer than moving its tensors
+takes). A zero step (dt = 0, padding) leaves the state as it was. The same kernel with one token is the decoding
+step.
 
 With few sequences and channel blocks that leaves most of a GPU waiting on one long walk, so a long sequence is
 cut into segments scanned at once from zero, then joined exactly: `_join_segments` finds each segment's true
@@ -54,14 +54,14 @@ except ImportError:  # pragma: no cover - ssm_samba imports this file only where
 
 CHUNK = 64  # tokens between the forward's checkpoints, and the backward's recompute length
 # The forward's launch: channels per program at most (the state block, BLOCK_D x BLOCK_N floats, stays at most 2048
-# in registers), and warps per program. Not yet tuned on a GPU: benchmarks/gpu.py's `scan_configs` times the
-# alternatives (and the segments' MIN_SEGMENT / PROGRAMS_PER_SM below) on the next run.
+# in registers), and warps per program. Set by the compiler's resources, not by timings: benchmarks/gpu.py's
+# `scan_configs` times the alternatives (and the segments' MIN_SEGMENT / PROGRAMS_PER_SM below).
 BLOCK_D_MAX = 32
 NUM_WARPS = 4
-# Tokens a step of the forward: at most TILE_MAX (1: a token a step, the kernel the H100 run measured), with the
-# step's tile (tokens x channels x states, float32) at most TILE_ELEMENTS: 4 tokens for Samba's layers (ptxas for
-# sm_90, Triton 3.9: 108 registers a thread, no spills; 16 tokens of 32 channels spill) and 1 for Mamba-2's 128
-# states. Chosen by the compiler's resources, not yet by a GPU's clock: `scan_configs` times the others.
+# Tokens a step of the forward: at most TILE_MAX (1: a token a step), with the step's tile (tokens x channels x
+# states, float32) at most TILE_ELEMENTS, so that it stays in registers without spilling (16 tokens of 32 channels
+# spill): 4 tokens for Samba's layers and 1 for Mamba-2's 128 states. Chosen by the compiler's resources, not by
+# timings: `scan_configs` times the others.
 TILE_MAX = 16
 TILE_ELEMENTS = 2048
 
@@ -822,9 +822,8 @@ def selective_scan_triton(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torc
 
 
 # The chunked SSD's launch (`ssd_chunked_triton`): SSD_CHUNK tokens a chunk, SSD_BLOCK_P channels of a head a program.
-# 32 x 32 with 8 warps: 255 registers a thread and no spills for the 8B's 64 x 128 heads on sm_80 and sm_90
-# (ptxas, Triton 3.9; chunks of 64 spill), not yet timed on a GPU. Which Mamba-2 calls take it is decided in
-# `ssm_samba.ssd_scan`.
+# 32 x 32 with 8 warps: no register spills for the 8B's 64 x 128 heads on sm_80 and sm_90 (chunks of 64 spill);
+# chosen by the compiler's resources, not by timings. Which Mamba-2 calls take it is decided in `ssm_samba.ssd_scan`.
 SSD_CHUNK = 32
 SSD_BLOCK_P = 32
 SSD_NUM_WARPS = 8

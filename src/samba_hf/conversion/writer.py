@@ -22,7 +22,8 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from ..configuration_samba import SambaConfig
 from ..configuration_sambay import SambaYConfig
-from ..modeling_samba import SambaForCausalLM, model_card
+from ..hub_samba import SAMBAY_REMOTE_CODE_FILES, model_card
+from ..modeling_samba import SambaForCausalLM
 from ..modeling_sambay import SambaYForCausalLM
 from .checkpoint import ConversionError
 
@@ -63,8 +64,9 @@ def expected_tensors(config: SambaConfig) -> dict[str, tuple[int, ...]]:
 # What a samba-hf folder holds (writer and save_pretrained): `--force` replaces a folder of these names only.
 OUR_FILES = re.compile(
     r"config\.json|generation_config\.json|README\.md|model(-\d{5}-of-\d{5})?\.safetensors|"
-    r"model\.safetensors\.index\.json|(configuration|modeling|ssm|linear|triton_scan|triton_conv)_samba\.py|"
-    r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|chat_template\.jinja|"
+    r"model\.safetensors\.index\.json|"
+    + "|".join(re.escape(name) for name in SAMBAY_REMOTE_CODE_FILES)
+    + r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|chat_template\.jinja|"
     r"vocab\.json|merges\.txt"
 )
 

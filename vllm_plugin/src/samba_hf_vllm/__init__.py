@@ -12,8 +12,9 @@ vLLM calls `register()` in every process it starts (front end, engine core, work
   engine's process, whose error is only in its log.
 
 The package never imports `samba_hf` (whose transformers requirement vLLM cannot install): it carries samba-hf's
-remote-code files `configuration_samba.py`, `configuration_sambay.py` and `ssm_samba.py`, which import only torch and
-transformers. Importing this module imports neither vLLM's models nor torch; the classes load when vLLM asks.
+remote-code files `configuration_samba.py`, `configuration_sambay.py` and `ssm_samba.py` (with `cpu_kernels_samba.py`,
+which it imports), which import only torch and transformers. Importing this module imports neither vLLM's models nor
+torch; the classes load when vLLM asks.
 """
 
 SUPPORTED_VLLM = ("0.32",)  # the minor series the model classes are written and tested against

@@ -1,0 +1,1 @@
+../cpu_kernels_samba.py

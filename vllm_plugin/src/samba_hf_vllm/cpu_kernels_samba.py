@@ -1,0 +1,1 @@
+../../../src/samba_hf/cpu_kernels_samba.py
