@@ -41,7 +41,7 @@ def dynamic_cache(model, name: str, context: int, in_place: bool):
     """`run_benchmarks.synthetic_cache`, its sliding layers samba-hf's in-place ones when `in_place`."""
     from transformers import DynamicCache
 
-    from samba_hf.cache_samba import write_windows_in_place
+    from samba_hf.cache_samba import use_samba_layers
 
     if not in_place:
         return synthetic_cache(model, name, context, "cpu")
@@ -49,7 +49,7 @@ def dynamic_cache(model, name: str, context: int, in_place: bool):
 
     def init_in_place(self, *args, **kwargs):  # the layers samba-hf's forward puts into a fresh cache
         original(self, *args, **kwargs)
-        write_windows_in_place(self)
+        use_samba_layers(self)
 
     DynamicCache.__init__ = init_in_place
     try:

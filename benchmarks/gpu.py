@@ -46,7 +46,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, NemotronHConfig
 
 from samba_hf import SambaConfig, SambaForCausalLM, attention_samba, ssm_samba
-from samba_hf.cache_samba import CACHE_NAME, cache_layer_kind, write_windows_in_place
+from samba_hf.cache_samba import CACHE_NAME, cache_layer_kind, use_samba_layers
 
 MODELS = ("Samba-1.3B", "Llama-1.3B", "Mamba-2-Hybrid", "NemotronH")
 HYBRID_PATTERN = "M-M*-M-"  # blocks 7-13 of the 8B's pattern
@@ -98,7 +98,7 @@ def filled_cache(model, batch: int, context: int) -> DynamicCache:
     """A cache as after `context` tokens: random Mamba states and keys/values (a sliding layer keeps window - 1)."""
     config, device, dtype = model.config, model.device, model.dtype
     cache = DynamicCache(config=config)
-    write_windows_in_place(cache)  # samba-hf's in-place window, as its forward sets up (others: no-op)
+    use_samba_layers(cache)  # samba-hf's in-place window, as its forward sets up (others: no-op)
     for i, layer in enumerate(cache.layers):
         kind = cache_layer_kind(layer)
         block = model.model.layers[i]

@@ -23,7 +23,7 @@ from vllm_serving import machine  # noqa: E402
 def cache_for(model, context: int, in_place: bool):
     from transformers import DynamicCache
 
-    from samba_hf.cache_samba import write_windows_in_place
+    from samba_hf.cache_samba import use_samba_layers
 
     if not in_place:  # transformers' layers, filled as they come
         return synthetic_cache(model, "samba", context, "cpu")
@@ -31,7 +31,7 @@ def cache_for(model, context: int, in_place: bool):
 
     def init_in_place(self, *args, **kwargs):  # the layers samba-hf's forward would put in a fresh cache
         original(self, *args, **kwargs)
-        write_windows_in_place(self)
+        use_samba_layers(self)
 
     DynamicCache.__init__ = init_in_place
     try:

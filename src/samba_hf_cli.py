@@ -4,6 +4,7 @@
                                [--temperature T] [--top-k K] [--top-p P] [--seed S]
                                [--dtype auto|float32|bfloat16|float16] [--device auto|cpu|cuda|cuda:N|mps]
                                [--prefill-chunk-size N] [--compile] [--chat [--system TEXT]]
+                               [--prompt-lookup N | --assistant FOLDER]
     samba-hf convert {lit-gpt,fla,mamba,mistral,llama,megatron} SRC OUT [--config NAME_OR_JSON] [--force-config]
                      [--tokenizer PATH] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
                      [--verify | --no-verify] [--push-to-hub REPO] [--force]
@@ -68,6 +69,17 @@ def check_generate_arguments(args) -> None:
         raise UserError(f"--top-k must be 0 (no limit) or more, got {args.top_k}")
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise UserError(f"--seed must be between 0 and 2**64 - 1, got {args.seed}")
+    if args.prompt_lookup is not None and args.prompt_lookup < 1:
+        raise UserError(f"--prompt-lookup is the number of tokens drafted from the prompt at each step: at least 1, got "
+                        f"{args.prompt_lookup}")
+    if args.assistant is not None and not args.assistant.strip():
+        raise UserError("--assistant is empty; give the folder of a smaller model with the same tokenizer, or leave it out")
+    if args.prompt_lookup is not None and args.assistant is not None:
+        raise UserError("--prompt-lookup and --assistant are two ways to draft tokens: give one of them")
+    if args.compile and (args.prompt_lookup is not None or args.assistant is not None):
+        flag = "--prompt-lookup" if args.prompt_lookup is not None else "--assistant"
+        raise UserError(f"{flag} verifies drafts on the dynamic cache, which --compile replaces by a static one: leave "
+                        "out one of them")
 
 
 def _positive_list(flag: str, text: str, kind=int) -> list:
@@ -169,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the prompt is a user message: format it with the tokenizer's chat template, print only "
                           "the reply and stop at the end of its turn (e.g. <|end|> for Phi-4-mini-flash-reasoning)")
     gen.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before the prompt")
+    gen.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
+                     help="speculative decoding: draft N tokens at a time from n-grams of the prompt and the text so far, "
+                          "verified in one forward (the same greedy text; faster where the text repeats its input)")
+    gen.add_argument("--assistant", default=None, metavar="FOLDER",
+                     help="speculative decoding: draft tokens with this smaller model (samba-hf's or any transformers "
+                          "causal LM with the same tokenizer), verified in one forward")
     gen.set_defaults(command_name="generate", check=check_generate_arguments)
 
     conv = commands.add_parser("convert", help="turn a checkpoint of another implementation into a samba-hf folder")

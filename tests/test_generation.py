@@ -233,14 +233,6 @@ def test_stopping_eos_lists_and_padding(model, prompt):
     assert gen(model, prompt, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter()])).shape[1] == prompt.shape[1] + 5
 
 
-@pytest.mark.parametrize("mode", [dict(assistant_model="self"), dict(prompt_lookup_num_tokens=3)])
-def test_assisted_decoding_is_refused(model, prompt, mode):
-    if mode.get("assistant_model") == "self":
-        mode = dict(assistant_model=model)
-    with pytest.raises(ValueError, match="stateful"):
-        gen(model, prompt[:1], **mode)
-
-
 @pytest.fixture(scope="module")
 def default_model_and_tokenizer():
     from transformers import AutoModelForCausalLM

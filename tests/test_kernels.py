@@ -869,3 +869,32 @@ def test_without_any_kernel_the_fallback_is_said_once(monkeypatch, caplog):
     assert len(lines) == 1 and "selective_scan_triton is unavailable (ImportError: no triton)" in lines[0]
     assert "runs in PyTorch" in lines[0] and "install triton" in lines[0]
     assert_close(y1, float64_recurrence(u, dt, A, B, C, D, z, h0)[0], 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["samba", "mamba2"])
+@pytest.mark.parametrize("installed", ["packages", "triton only"])
+def test_a_verified_draft_is_taken_back_on_every_kernel_path(monkeypatch, kind, installed):
+    """Assisted generation's rollback through the kernels (mamba-ssm's and causal-conv1d's, or samba-hf's Triton
+    ones): a recording cache verifies a prompt with a draft, then a 4-token draft, and is taken back by 1 and 3
+    tokens; the next logits equal those of a forward over the kept tokens alone. Greedy prompt lookup gives plain
+    greedy decoding's tokens."""
+    from samba_hf import cache_samba
+
+    only(monkeypatch, PACKAGES if installed == "packages" else TRITON_ONLY)
+    model = tiny_model(seed=3) if kind == "samba" else tiny_mamba2("megatron", seed=5)
+    ids = torch.randint(3, 97, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for back in (1, 3):
+            cache = cache_samba.DynamicCache(config=model.config)
+            cache.activate_past_recording()
+            model(ids[:, :14], cache=cache, use_cache=True, logits_to_keep=3)  # the prompt and a 2-token draft
+            cache.crop(-1)
+            model(ids[:, 13:18], cache=cache, use_cache=True, logits_to_keep=5)  # the next token and a 4-token draft
+            cache.crop(-back)
+            got = model(ids[:, 18:20], cache=cache, use_cache=True).logits
+            reference = model(torch.cat([ids[:, : 18 - back], ids[:, 18:20]], 1)).logits[:, -2:]
+            assert_close(got, reference, 1e-4)
+        prompt = torch.cat([ids[:, :8]] * 2, 1)
+        plain = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                          prompt_lookup_num_tokens=3), plain)

@@ -207,3 +207,37 @@ def test_argument_errors_are_one_line_too(capsys, argv, fragment):
     assert stop.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("samba-hf: error: ") and fragment in err[0], err
+
+
+# ---------------------------------------------------------------- speculative decoding
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--prompt-lookup", "0"], ["--prompt-lookup", "at least 1, got 0"]),
+    (["--prompt-lookup", "-3"], ["at least 1, got -3"]),
+    (["--prompt-lookup", "3", "--assistant", "x"], ["give one of them"]),
+    (["--prompt-lookup", "3", "--compile"], ["--prompt-lookup verifies drafts on the dynamic cache"]),
+    (["--assistant", " "], ["--assistant is empty"]),
+])
+def test_speculative_flags_that_cannot_work(capsys, argv, fragments):
+    refused(capsys, ["generate", "The assert statement", *argv], *fragments)
+
+
+def test_an_assistant_that_is_not_a_model_folder(capsys, folder, tmp_path):
+    refused(capsys, generate(folder, "--assistant", str(tmp_path / "missing")), "--assistant: no such model folder")
+    (tmp_path / "empty").mkdir()
+    refused(capsys, generate(folder, "--assistant", str(tmp_path / "empty")), "--assistant:")
+
+
+def test_an_assistant_with_another_tokenizer(capsys, folder):
+    refused(capsys, generate(folder, "--assistant", default_model_path("passkey")), "has another tokenizer")
+
+
+def test_prompt_lookup_and_an_assistant_give_the_plain_greedy_text(capsys, folder):
+    argv = ["generate", "The assert statement. The assert statement", "--model", str(folder), "--max-new-tokens", "24",
+            "--dtype", "float32"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    for extra in (["--prompt-lookup", "4"], ["--assistant", str(folder)]):
+        assert main(argv + extra) == 0
+        assert capsys.readouterr().out == plain, extra

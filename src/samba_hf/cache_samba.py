@@ -1,7 +1,10 @@
 """The decoding cache of the Samba family: transformers' hybrid `DynamicCache(config=...)`, with what samba-hf adds.
 
-- `SambaSlidingWindowLayer`: the sliding-window key/value layer, written in place (`write_windows_in_place` puts it
-  into a fresh `DynamicCache`).
+- `SambaSlidingWindowLayer`: the sliding-window key/value layer, written in place; `SambaMambaLayer`: the Mamba
+  layer (conv window and SSM state), which can be taken back to an earlier token. `use_samba_layers` puts them into a
+  fresh cache.
+- Rollback for assisted generation: while transformers' `activate_past_recording` is on, a forward records what
+  `crop` needs to take every layer back to any token it recorded (`records`, `record_states`, `recording_paused`).
 - The cache argument under either name (`cache` in transformers >= 5.24, `past_key_values` in 5.23): `CACHE_NAME`,
   `one_cache`, `check_cache_type`.
 - What a cache holds, read from shapes only: `cache_layer_kind`, `cache_layer_shape`, `past_length`,
@@ -11,7 +14,10 @@
 Part of the remote code of a saved model: imports only torch and transformers.
 """
 
+import contextlib
+
 import torch
+from torch import nn
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
@@ -20,6 +26,7 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
     EncoderDecoderCache,
     LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
     StaticLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -109,14 +116,104 @@ class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
         self._start, self._end = 0, length
 
 
-def write_windows_in_place(cache: Cache):
-    """Fresh sliding-window layers of a `DynamicCache` become `SambaSlidingWindowLayer`s (same contents and
-    behaviour, no copy of the window per step); layers already holding states, and other caches, are left as they
-    are."""
+class SambaMambaLayer(LinearAttentionLayer):
+    """transformers' Mamba cache layer (one conv window and one SSM state), which can also be taken back to an earlier
+    token: while it records (`activate_past_recording`, which assisted generation turns on), the mixer hands it the
+    SSM state after each token it records (`record_states`), and `crop(-n)` puts back the state of n tokens before the
+    last. transformers' layer keeps the conv window's inputs while recording and crops them itself. Each `crop` lets
+    go of what was recorded: k + 1 states at most between two crops for a k-token draft (one more in a verification
+    that starts with the prompt, `SambaModel._recorded_tail`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recorded: list[torch.Tensor] = []  # the SSM state after each recorded token, oldest first
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        window = super().update_conv_state(conv_states, state_idx, **kwargs)
+        if self.record_past and self.conv_states[state_idx].shape[-1] < self.conv_kernel_size[state_idx]:
+            # a first forward while recording keeps its inputs unpadded: pad them, so that `crop` always finds the
+            # window it cuts from (the positions before the first token are zeros to the conv anyway)
+            short = self.conv_states[state_idx]
+            self.conv_states[state_idx] = nn.functional.pad(short, (self.conv_kernel_size[state_idx] - short.shape[-1], 0))
+        return window
+
+    def record_states(self, states: list[torch.Tensor]):
+        """Keep `states`, the SSM states after each of this forward's recorded tokens, in order."""
+        self.recorded.extend(states)
+
+    def crop(self, tokens_to_remove: int):
+        """Take the layer back by `-tokens_to_remove` tokens (0: keep all), and let go of what was recorded."""
+        back = -tokens_to_remove
+        if self.record_past and back >= max(len(self.recorded), 1):
+            raise RuntimeError(
+                f"`crop({tokens_to_remove})` takes a Mamba layer back {back} tokens, but it recorded the states of "
+                f"only the last {len(self.recorded)}: a recording forward keeps `logits_to_keep` + 1 of them, so ask "
+                "for the logits of every token you may go back to."
+            )
+        super().crop(tokens_to_remove)  # the conv window; raises where nothing was recorded, or for a positive count
+        if back:
+            self.recurrent_states[0].copy_(self.recorded[-1 - back])
+        self.recorded = []
+
+    def reset(self):
+        super().reset()
+        self.recorded = []
+
+
+def use_samba_layers(cache: Cache):
+    """Fresh layers of a cache become samba-hf's: a `DynamicCache`'s sliding-window layers `SambaSlidingWindowLayer`s
+    (same contents and behaviour, no copy of the window per step), any cache's Mamba layers `SambaMambaLayer`s (which
+    can be taken back while recording). Layers already holding states, and other layers, are left as they are; a
+    layer's recording switch is kept."""
     layers = getattr(cache, "layers", [])
     for i, layer in enumerate(layers):
         if type(layer) is DynamicSlidingWindowLayer and not layer.is_initialized:
             layers[i] = SambaSlidingWindowLayer(sliding_window=layer.sliding_window)
+        elif type(layer) is LinearAttentionLayer and not any(layer.is_conv_states_initialized.values()):
+            layers[i] = SambaMambaLayer(number_of_states=layer.number_of_states)
+        else:
+            continue
+        layers[i].record_past = layer.record_past
+
+
+def records(cache: Cache | None, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` of the cache is recording (assisted generation): its forward keeps what `crop`
+    needs."""
+    layers = getattr(cache, "layers", [])
+    return layer_idx < len(layers) and getattr(layers[layer_idx], "record_past", False)
+
+
+def record_states(cache: Cache, layer_idx: int, states: list[torch.Tensor]):
+    """Hand a recording Mamba layer the SSM states after each token its forward recorded."""
+    layer = cache.layers[layer_idx]
+    if not isinstance(layer, SambaMambaLayer):
+        raise TypeError(
+            f"layer {layer_idx} of the cache is a {type(layer).__name__}, which cannot take its SSM state back: pass "
+            "`DynamicCache(config=model.config)` (samba-hf's forward makes its Mamba layers rollback-capable)."
+        )
+    layer.record_states(states)
+
+
+def is_recording(cache: Cache | None) -> bool:
+    """Whether any layer of the cache records."""
+    return cache is not None and any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", []))
+
+
+@contextlib.contextmanager
+def recording_paused(cache: Cache):
+    """The cache's layers record nothing inside (the part of a forward no `crop` can reach back to)."""
+    layers = [layer for layer in cache.layers if getattr(layer, "record_past", False)]
+    for layer in layers:
+        layer.record_past = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.record_past = True
 
 
 def cache_layer_kind(layer) -> str:

@@ -265,6 +265,10 @@ def generate(args) -> int:
         options["prefill_chunk_size"] = args.prefill_chunk_size
     if stop_ids is not None:
         options["eos_token_id"] = stop_ids
+    if args.prompt_lookup is not None:
+        options["prompt_lookup_num_tokens"] = args.prompt_lookup
+    if args.assistant is not None:
+        options["assistant_model"] = load_assistant(args.assistant, tokenizer, device, dtype)
     compiled = args.compile
     if compiled and (missing := compiler_missing(device)):
         print(f"samba-hf: --compile: torch.compile finds no working C++ compiler here ({missing}); decoding without "
@@ -306,6 +310,21 @@ def generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def load_assistant(path: str, tokenizer, device, dtype):
+    """The model that drafts tokens for `--assistant`: any causal LM transformers loads (samba-hf's too), with the
+    main model's tokenizer (drafts are token ids)."""
+    try:
+        assistant_tokenizer, assistant = load(path, None, device, dtype, any_model=True)
+    except UserError as error:
+        raise UserError(f"--assistant: {str(error).replace('--model', '--assistant')}") from None
+    if assistant_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise UserError(
+            f"--assistant {path!r} has another tokenizer than the model (their vocabularies differ): its drafts are "
+            "token ids, so it needs the model's own; use --prompt-lookup otherwise"
+        )
+    return assistant
 
 
 class TimedStreamer(TextStreamer):

@@ -17,6 +17,7 @@ layer, written in place), `validation_samba.py` (the input checks), `hub_samba.p
 This file is also the remote code of a saved model: it imports only torch, transformers and its siblings.
 """
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -51,13 +52,17 @@ from .cache_samba import (
     check_cache_type,
     check_static_cache_room,
     has_attention_cache,
+    is_recording,
     one_cache,
-    write_windows_in_place,
+    record_states,
+    recording_paused,
+    records,
+    use_samba_layers,
 )
 from .configuration_samba import SambaConfig
 from .hub_samba import save_folder
 from .linear_samba import SambaLinear
-from .ssm_samba import causal_conv, selective_scan, ssd_scan
+from .ssm_samba import causal_conv, scan_token_by_token, selective_scan, ssd_scan
 from .validation_samba import check_inputs
 
 logger = logging.get_logger(__name__)
@@ -287,7 +292,13 @@ class SambaMambaMixer(nn.Module):
         if mask is not None:
             dt = dt * mask  # a zero step leaves the state as it was: padding neither decays nor feeds it
         A = self.decay_rates()  # (d_inner, d_state)
-        y, ssm_state = selective_scan(x, dt, A, B, C, self.D, None if return_memory else z, ssm_state)
+        gate = None if return_memory else z
+        if records(past_key_values, self.layer_idx):  # assisted generation: keep each token's state for `crop`
+            y, ssm_state, states = scan_token_by_token(selective_scan, ssm_state, dict(u=x, dt=dt, B=B, C=C, z=gate),
+                                                       A=A, D=self.D)
+            record_states(past_key_values, self.layer_idx, states)
+        else:
+            y, ssm_state = selective_scan(x, dt, A, B, C, self.D, gate, ssm_state)
         if past_key_values is not None:
             past_key_values.update_recurrent_state(ssm_state, self.layer_idx)
         if return_memory:
@@ -396,10 +407,13 @@ class SambaMamba2Mixer(nn.Module):
             dt = dt * mask  # a zero step leaves the state as it was: padding neither decays nor feeds it
         A = -torch.exp(self.A_log.float())  # (heads,)
         groups = (batch, seq_len, self.n_groups, self.ssm_state_size)
-        y, ssm_state = ssd_scan(
-            x.reshape(batch, seq_len, self.num_heads, self.head_dim), dt, A, B.reshape(groups), C.reshape(groups),
-            self.D, ssm_state, self.chunk_size,
-        )
+        x, B, C = x.reshape(batch, seq_len, self.num_heads, self.head_dim), B.reshape(groups), C.reshape(groups)
+        if records(past_key_values, self.layer_idx):  # assisted generation: keep each token's state for `crop`
+            y, ssm_state, states = scan_token_by_token(ssd_scan, ssm_state, dict(x=x, dt=dt, B=B, C=C), A=A, D=self.D,
+                                                       chunk_size=self.chunk_size)
+            record_states(past_key_values, self.layer_idx, states)
+        else:
+            y, ssm_state = ssd_scan(x, dt, A, B, C, self.D, ssm_state, self.chunk_size)
         if past_key_values is not None:
             past_key_values.update_recurrent_state(ssm_state, self.layer_idx)
         return self.out_proj(self.norm(y.reshape(batch, seq_len, self.intermediate_size), z))
@@ -488,7 +502,9 @@ class SambaPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _is_stateful = True
+    # transformers refuses assisted generation to stateful models; a Samba cache goes back to any recorded token
+    # (cache_samba.SambaMambaLayer), so generate may verify drafts
+    _is_stateful = False
     _can_record_outputs = {"hidden_states": SambaDecoderLayer, "attentions": SambaAttention}
     _auto_model_entry = "modeling_samba.SambaModel"  # the base model, for `auto_map["AutoModel"]` in saved folders
 
@@ -626,26 +642,16 @@ class SambaModel(SambaPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if past_key_values is not None:
-            write_windows_in_place(past_key_values)
+            use_samba_layers(past_key_values)
         if position_ids is None:
             past_seen = past_key_values.get_seq_length() if has_attention_cache(past_key_values, self.config) else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
 
         # packed documents go through in one piece (their boundaries were found once, above)
         chunk = self._inference_chunk(inputs_embeds, attention_mask, past_key_values, kwargs) if documents is None else 0
-        if chunk:
-            # A long inference input goes through the cache a chunk at a time (exactly equal, tested): the activations
-            # of a chunk stay in the CPU caches, and memory is bounded by the chunk, not the prompt.
-            chunk_cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
-            length = inputs_embeds.shape[1]
-            first_kept = length - min(keep_last, length) if keep_last is not None else 0
-            hidden_states = torch.cat([
-                self._run_layers(
-                    inputs_embeds[:, s : s + chunk], None, position_ids[:, s : s + chunk], chunk_cache, kwargs,
-                    keep_last=max(0, min(s + chunk, length) - max(s, first_kept)),  # of this chunk's positions
-                )
-                for s in range(0, length, chunk)
-            ], dim=1)
+        tail = self._recorded_tail(inputs_embeds, attention_mask, past_key_values, keep_last) if documents is None else 0
+        if chunk or tail:
+            hidden_states = self._run_in_pieces(inputs_embeds, position_ids, past_key_values, kwargs, keep_last, chunk, tail)
         else:
             hidden_states = self._run_layers(
                 inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents, keep_last
@@ -656,6 +662,24 @@ class SambaModel(SambaPreTrainedModel):
         return BaseModelOutputWithPast(
             last_hidden_state=hidden_states, **{CACHE_NAME: past_key_values if use_cache else None}
         )
+
+    def _run_in_pieces(self, inputs_embeds, position_ids, past_key_values, kwargs, keep_last, chunk, tail):
+        """The input through the cache in pieces, each continuing from the one before (exactly equal to one pass,
+        tested): `chunk` tokens at a time for a long inference input (the activations of a piece stay in the CPU's
+        caches; memory is bounded by the piece, not the prompt), and the last `tail` tokens apart, the only ones a
+        recording cache records."""
+        cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
+        length = inputs_embeds.shape[1]
+        first_kept = length - min(keep_last, length) if keep_last is not None else 0
+        bounds = sorted({*range(0, length - tail, chunk or length), length - tail, length})
+        pieces = []
+        for start, end in zip(bounds, bounds[1:]):
+            with recording_paused(cache) if tail and start < length - tail else contextlib.nullcontext():
+                pieces.append(self._run_layers(
+                    inputs_embeds[:, start:end], None, position_ids[:, start:end], cache, kwargs,
+                    keep_last=max(0, end - max(start, first_kept)),  # of this piece's positions
+                ))
+        return torch.cat(pieces, dim=1)
 
     def _run_layers(
         self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents=None, keep_last=None
@@ -715,6 +739,18 @@ class SambaModel(SambaPreTrainedModel):
                 "batches without past_key_values, or pass one document per row."
             )
         return PackedDocuments(document_ids.expand(batch_size, -1))  # position_ids may come as (1, seq)
+
+    def _recorded_tail(self, inputs_embeds, attention_mask, past_key_values, keep_last) -> int:
+        """In a forward over a recording cache (assisted generation), how many last tokens to record, where not all:
+        `keep_last` + 1. transformers asks for the logits of the draft and the token after it, and takes the cache
+        back at most that far (by the draft, or by one token into an assistant's prompt); a draft verified together
+        with the prompt then records k + 2 states for a k-token draft, not the whole prompt's. 0 (every token
+        records) without `keep_last`, with padding, or on an input no longer than that."""
+        if keep_last is None or not is_recording(past_key_values) or isinstance(attention_mask, dict):
+            return 0
+        if attention_mask is not None and not bool(attention_mask.all()):
+            return 0
+        return keep_last + 1 if keep_last + 1 < inputs_embeds.shape[1] else 0
 
     def _inference_chunk(self, inputs_embeds, attention_mask, past_key_values, kwargs) -> int:
         """The chunk length to split this forward into, or 0. Only inference (no autograd) over an input longer than

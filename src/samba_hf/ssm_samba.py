@@ -343,6 +343,22 @@ def selective_scan_pytorch(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[tor
     return y.to(u.dtype), h
 
 
+def scan_token_by_token(scan: Callable, h0: torch.Tensor | None, per_token: dict, **fixed):
+    """`scan` (`selective_scan` or `ssd_scan`) one token at a time, as decoding steps run it, keeping the state after
+    each token: what a recording forward (assisted generation's verification of a draft) hands its cache, to take the
+    layer back to any of those tokens. Every kernel path gives these states as its one-token case, and a draft's
+    tokens get the numbers plain decoding would. `per_token`: the arguments with a sequence dimension (dim 1; None
+    for an absent one). Returns y (the tokens' outputs, concatenated), the last state and the list of states."""
+    length = next(value for value in per_token.values() if value is not None).shape[1]
+    outputs, states = [], []
+    for t in range(length):
+        step = {name: None if value is None else value[:, t : t + 1] for name, value in per_token.items()}
+        y, h0 = scan(**step, **fixed, h0=h0)
+        outputs.append(y)
+        states.append(h0)
+    return torch.cat(outputs, dim=1), h0, states
+
+
 def ssd_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
