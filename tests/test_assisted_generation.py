@@ -10,7 +10,7 @@ from transformers.generation import candidate_generator
 
 from samba_hf import cache_samba, ssm_samba
 
-from conftest import tiny_model
+from conftest import returned_cache, tiny_model
 from test_mamba2 import tiny_mamba2
 from test_sambay import tiny_model as tiny_sambay
 
@@ -103,7 +103,7 @@ def test_drafts_that_are_all_wrong_change_nothing(spy):
         assistant.model.norm.weight.fill_(1.0)
     out = greedy(model, ids, assistant_model=assistant, return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    mine = {id(layer) for layer in out.cache.layers}
+    mine = {id(layer) for layer in returned_cache(out).layers}
     main_crops = [n for n, layer in zip(spy["crops"], spy["layers"]) if id(layer) in mine]
     assert main_crops and all(n > 0 for n in main_crops[: -len(mine)])  # (the last round may stop at max_length)
 
@@ -136,7 +136,7 @@ def test_plain_decoding_records_nothing(monkeypatch):
     with torch.no_grad():
         out = model.generate(repetitive_prompt(97), max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
     assert calls == []
-    mamba = [layer for layer in out.cache.layers if isinstance(layer, cache_samba.SambaMambaLayer)]
+    mamba = [layer for layer in returned_cache(out).layers if isinstance(layer, cache_samba.SambaMambaLayer)]
     assert mamba and not any(layer.record_past for layer in mamba)
 
 
@@ -201,3 +201,9 @@ def test_the_embedded_default_quotes_its_prompt_with_the_greedy_tokens(spy):
         got = model.generate(ids, max_new_tokens=100, do_sample=False, prompt_lookup_num_tokens=10)
     assert torch.equal(got, expected)
     assert sum(n == 0 for n in spy["crops"]) > 0
+
+
+def test_a_static_cache_is_refused_in_one_line():
+    model = tiny_model(seed=11)
+    with pytest.raises(ValueError, match=r"^Assisted generation .* static cache cannot do: leave out cache_implementation"):
+        greedy(model, repetitive_prompt(97), prompt_lookup_num_tokens=3, cache_implementation="static")

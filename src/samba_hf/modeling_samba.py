@@ -26,8 +26,9 @@ from torch import nn
 
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation import GenerationMixin
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.masking_utils import (
     create_causal_mask,
     create_recurrent_attention_mask,
@@ -855,12 +856,21 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
     ):
         """transformers' cache set-up in `generate`, with Samba's checks of what it was asked for around it: a cache
-        of a kind Samba takes (`check_cache_type`), an offloaded cache only on a CUDA device, and a static cache with
-        room for what this call writes. `max_cache_length` is what transformers sizes its own static cache by: the
+        of a kind Samba takes (`check_cache_type`), an offloaded cache only on a CUDA device, no static cache for
+        assisted generation, and a static cache with room for what this call writes. `max_cache_length` is what transformers sizes its own static cache by: the
         prompt and the new tokens, less the last new token (never fed back)."""
         cache = model_kwargs.get(CACHE_NAME)
         if cache is not None:
             check_cache_type(cache)
+        if generation_mode == GenerationMode.ASSISTED_GENERATION and (
+            generation_config.cache_implementation == "static" or isinstance(cache, StaticCache)
+        ):
+            # transformers' static sliding-window layer cannot be taken back past its window
+            raise ValueError(
+                "Assisted generation (prompt lookup, an assistant model) takes the cache back after each draft, which a "
+                "static cache cannot do: leave out cache_implementation=\"static\" (and the StaticCache), and let "
+                "generate make its dynamic cache."
+            )
         elif "offloaded" in str(generation_config.cache_implementation) and self.device.type != "cuda":
             # transformers' offloading synchronises CUDA streams: without CUDA it fails on an assertion inside torch
             raise ValueError(
