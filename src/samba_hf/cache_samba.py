@@ -122,7 +122,7 @@ class SambaMambaLayer(LinearAttentionLayer):
     SSM state after each token it records (`record_states`), and `crop(-n)` puts back the state of n tokens before the
     last. transformers' layer keeps the conv window's inputs while recording and crops them itself. Each `crop` lets
     go of what was recorded: k + 1 states at most between two crops for a k-token draft (one more in a verification
-    that starts with the prompt, `SambaModel._recorded_tail`)."""
+    that starts with the prompt, `tokens_to_record`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -201,6 +201,19 @@ def record_states(cache: Cache, layer_idx: int, states: list[torch.Tensor]):
 def is_recording(cache: Cache | None) -> bool:
     """Whether any layer of the cache records."""
     return cache is not None and any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", []))
+
+
+def tokens_to_record(cache: Cache | None, attention_mask, length: int, keep_last: int | None) -> int:
+    """In a forward of `length` tokens over a recording cache (assisted generation), how many last tokens record what
+    `crop` needs, where not all: `keep_last` + 1. transformers asks for the logits of the draft and the token after
+    it, and takes the cache back at most that far (by the draft, or by one token into an assistant's prompt); a draft
+    checked together with the prompt then records k + 2 states for a k-token draft, not the whole prompt's. 0 (every
+    token records, or none) without `keep_last`, with padding, or on an input no longer than that."""
+    if keep_last is None or not is_recording(cache) or isinstance(attention_mask, dict):
+        return 0
+    if attention_mask is not None and not bool(attention_mask.all()):
+        return 0
+    return keep_last + 1 if keep_last + 1 < length else 0
 
 
 @contextlib.contextmanager

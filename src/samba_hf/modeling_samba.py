@@ -53,11 +53,11 @@ from .cache_samba import (
     check_cache_type,
     check_static_cache_room,
     has_attention_cache,
-    is_recording,
     one_cache,
     record_states,
     recording_paused,
     records,
+    tokens_to_record,
     use_samba_layers,
 )
 from .configuration_samba import SambaConfig
@@ -214,6 +214,23 @@ class PackedDocuments:
         self.valid = torch.zeros_like(self.index, dtype=torch.bool)
         self.index[flat, offsets] = torch.arange(flat.numel(), device=flat.device)  # (documents, longest)
         self.valid[flat, offsets] = True
+
+    @classmethod
+    def find(cls, position_ids, attention_mask, cache, config, batch_size) -> "PackedDocuments | None":
+        """The documents packed into the rows (position_ids restart within a row, no padding), or None."""
+        if position_ids is None or position_ids.shape[1] < 2 or isinstance(attention_mask, dict):
+            return None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            return None  # padding: position_ids repeat over padded positions, that is not packing (as transformers)
+        document_ids = find_packed_sequence_indices(position_ids)
+        if document_ids is None:
+            return None
+        if cache_has_content(cache, config):
+            raise ValueError(
+                "Packed sequences (position_ids restarting inside a row) cannot continue from a cache: run packed "
+                "batches without past_key_values, or pass one document per row."
+            )
+        return cls(document_ids.expand(batch_size, -1))  # position_ids may come as (1, seq)
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, x.shape[-1])[self.index]  # (batch, seq, d) -> (documents, longest, d)
@@ -637,7 +654,7 @@ class SambaModel(SambaPreTrainedModel):
         check_inputs(self.config, input_ids, inputs_embeds, attention_mask, past_key_values)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        documents = self._packed_documents(position_ids, attention_mask, past_key_values, inputs_embeds.shape[0])
+        documents = PackedDocuments.find(position_ids, attention_mask, past_key_values, self.config, inputs_embeds.shape[0])
         if documents is not None:  # a packed (training) batch: nothing to continue from it, so no cache; the mask
             use_cache, past_key_values, attention_mask = False, None, None  # builders find the documents themselves
         if use_cache and past_key_values is None:
@@ -650,7 +667,7 @@ class SambaModel(SambaPreTrainedModel):
 
         # packed documents go through in one piece (their boundaries were found once, above)
         chunk = self._inference_chunk(inputs_embeds, attention_mask, past_key_values, kwargs) if documents is None else 0
-        tail = self._recorded_tail(inputs_embeds, attention_mask, past_key_values, keep_last) if documents is None else 0
+        tail = tokens_to_record(past_key_values, attention_mask, inputs_embeds.shape[1], keep_last) if documents is None else 0
         if chunk or tail:
             hidden_states = self._run_in_pieces(inputs_embeds, position_ids, past_key_values, kwargs, keep_last, chunk, tail)
         else:
@@ -724,34 +741,6 @@ class SambaModel(SambaPreTrainedModel):
             else MASK_BUILDERS[kind](**mask_kwargs, layer_idx=config.layer_types.index(kind))
             for kind in kinds
         }
-
-    def _packed_documents(self, position_ids, attention_mask, past_key_values, batch_size) -> PackedDocuments | None:
-        """Documents packed into one row (position_ids restart within a row, no padding), or None."""
-        if position_ids is None or position_ids.shape[1] < 2 or isinstance(attention_mask, dict):
-            return None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            return None  # padding: position_ids repeat over padded positions, that is not packing (as transformers)
-        document_ids = find_packed_sequence_indices(position_ids)
-        if document_ids is None:
-            return None
-        if cache_has_content(past_key_values, self.config):
-            raise ValueError(
-                "Packed sequences (position_ids restarting inside a row) cannot continue from a cache: run packed "
-                "batches without past_key_values, or pass one document per row."
-            )
-        return PackedDocuments(document_ids.expand(batch_size, -1))  # position_ids may come as (1, seq)
-
-    def _recorded_tail(self, inputs_embeds, attention_mask, past_key_values, keep_last) -> int:
-        """In a forward over a recording cache (assisted generation), how many last tokens to record, where not all:
-        `keep_last` + 1. transformers asks for the logits of the draft and the token after it, and takes the cache
-        back at most that far (by the draft, or by one token into an assistant's prompt); a draft verified together
-        with the prompt then records k + 2 states for a k-token draft, not the whole prompt's. 0 (every token
-        records) without `keep_last`, with padding, or on an input no longer than that."""
-        if keep_last is None or not is_recording(past_key_values) or isinstance(attention_mask, dict):
-            return 0
-        if attention_mask is not None and not bool(attention_mask.all()):
-            return 0
-        return keep_last + 1 if keep_last + 1 < inputs_embeds.shape[1] else 0
 
     def _inference_chunk(self, inputs_embeds, attention_mask, past_key_values, kwargs) -> int:
         """The chunk length to split this forward into, or 0. Only inference (no autograd) over an input longer than
