@@ -175,7 +175,6 @@ def main():
     parser.add_argument("--parts", default="generate,default-size,113m")
     args = parser.parse_args()
     parts = args.parts.split(",")
-    torch.set_num_threads(torch.get_num_threads())
 
     from transformers import AutoTokenizer
 

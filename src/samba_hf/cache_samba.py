@@ -4,7 +4,8 @@
   layer (conv window and SSM state), which can be taken back to an earlier token. `use_samba_layers` puts them into a
   fresh cache.
 - Rollback for assisted generation: while transformers' `activate_past_recording` is on, a forward records what
-  `crop` needs to take every layer back to any token it recorded (`records`, `record_states`, `recording_paused`).
+  `crop` needs to take every layer back to any token it recorded (`record_states`, `tokens_to_record`,
+  `recording_paused`).
 - The cache argument under either name (`cache` in transformers >= 5.24, `past_key_values` in 5.23): `CACHE_NAME`,
   `one_cache`, `check_cache_type`.
 - What a cache holds, read from shapes only: `cache_layer_kind`, `cache_layer_shape`, `past_length`,
@@ -180,13 +181,6 @@ def use_samba_layers(cache: Cache):
         layers[i].record_past = layer.record_past
 
 
-def records(cache: Cache | None, layer_idx: int) -> bool:
-    """Whether layer `layer_idx` of the cache is recording (assisted generation): its forward keeps what `crop`
-    needs."""
-    layers = getattr(cache, "layers", [])
-    return layer_idx < len(layers) and getattr(layers[layer_idx], "record_past", False)
-
-
 def record_states(cache: Cache, layer_idx: int, states: list[torch.Tensor]):
     """Hand a recording Mamba layer the SSM states after each token its forward recorded."""
     layer = cache.layers[layer_idx]
@@ -200,7 +194,7 @@ def record_states(cache: Cache, layer_idx: int, states: list[torch.Tensor]):
 
 def is_recording(cache: Cache | None) -> bool:
     """Whether any layer of the cache records."""
-    return cache is not None and any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", []))
+    return cache is not None and any(cache.is_recording_past(i) for i in range(len(cache.layers)))
 
 
 def tokens_to_record(cache: Cache | None, attention_mask, length: int, keep_last: int | None) -> int:

@@ -128,9 +128,10 @@ def cpu_native_bfloat16() -> str | None:
 
 
 def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype, any_model: bool = False,
-         default: str = "default"):
+         default: str = "default", flag: str = "--model"):
     """(tokenizer, model) for generate / eval: a local folder is checked in full first (`samba_hf.model_folder`).
-    `any_model`: any causal LM transformers loads (eval), not only Samba / SambaY (generate)."""
+    `any_model`: any causal LM transformers loads (eval), not only Samba / SambaY (generate). `flag`: the option that
+    named the folder, for the errors."""
     from .model_folder import (ModelFolderError, check_generation_config, check_tokenizer, load_model, model_classes,
                                read_config, tokenizer_for)
 
@@ -139,7 +140,7 @@ def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype, any_mo
     if not local and (not _looks_like_hub_name(path) or os.path.exists(path)):
         # a path (not an "org/name" Hub id) that is not a folder
         raise UserError(f"no such model folder: {path!r}" if not os.path.exists(path) else
-                        f"{path!r} is a file; --model takes a model folder (config.json, weights, tokenizer)")
+                        f"{path!r} is a file; {flag} takes a model folder (config.json, weights, tokenizer)")
     samba_folder = local and (not any_model or _folder_model_type(path) in model_classes())
     try:
         config = read_config(path) if samba_folder else None  # what is wrong with config.json is said first
@@ -316,9 +317,9 @@ def load_assistant(path: str, tokenizer, device, dtype):
     """The model that drafts tokens for `--assistant`: any causal LM transformers loads (samba-hf's too), with the
     main model's tokenizer (drafts are token ids)."""
     try:
-        assistant_tokenizer, assistant = load(path, None, device, dtype, any_model=True)
+        assistant_tokenizer, assistant = load(path, None, device, dtype, any_model=True, flag="--assistant")
     except UserError as error:
-        raise UserError(f"--assistant: {str(error).replace('--model', '--assistant')}") from None
+        raise UserError(f"--assistant: {error}") from None
     if assistant_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise UserError(
             f"--assistant {path!r} has another tokenizer than the model (their vocabularies differ): its drafts are "

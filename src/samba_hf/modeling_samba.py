@@ -56,7 +56,6 @@ from .cache_samba import (
     one_cache,
     record_states,
     recording_paused,
-    records,
     tokens_to_record,
     use_samba_layers,
 )
@@ -311,7 +310,7 @@ class SambaMambaMixer(nn.Module):
             dt = dt * mask  # a zero step leaves the state as it was: padding neither decays nor feeds it
         A = self.decay_rates()  # (d_inner, d_state)
         gate = None if return_memory else z
-        if records(past_key_values, self.layer_idx):  # assisted generation: keep each token's state for `crop`
+        if past_key_values is not None and past_key_values.is_recording_past(self.layer_idx):  # assisted generation: keep each token's state for `crop`
             y, ssm_state, states = scan_token_by_token(selective_scan, ssm_state, dict(u=x, dt=dt, B=B, C=C, z=gate),
                                                        A=A, D=self.D)
             record_states(past_key_values, self.layer_idx, states)
@@ -426,7 +425,7 @@ class SambaMamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())  # (heads,)
         groups = (batch, seq_len, self.n_groups, self.ssm_state_size)
         x, B, C = x.reshape(batch, seq_len, self.num_heads, self.head_dim), B.reshape(groups), C.reshape(groups)
-        if records(past_key_values, self.layer_idx):  # assisted generation: keep each token's state for `crop`
+        if past_key_values is not None and past_key_values.is_recording_past(self.layer_idx):  # assisted generation: keep each token's state for `crop`
             y, ssm_state, states = scan_token_by_token(ssd_scan, ssm_state, dict(x=x, dt=dt, B=B, C=C), A=A, D=self.D,
                                                        chunk_size=self.chunk_size)
             record_states(past_key_values, self.layer_idx, states)
