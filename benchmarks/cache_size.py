@@ -43,17 +43,33 @@ def main():
         curves[f"{name}, all full attention"] = sizes(full_attention(config))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cache_size.json"), "w") as file:
-        json.dump({"contexts": CONTEXTS, "cache_MiB": curves, "batch": 1, "dtype": "bfloat16",
-                   "command": "python benchmarks/cache_size.py"}, file, indent=1)
+        json.dump(
+            {
+                "contexts": CONTEXTS,
+                "cache_MiB": curves,
+                "batch": 1,
+                "dtype": "bfloat16",
+                "command": "python benchmarks/cache_size.py",
+            },
+            file,
+            indent=1,
+        )
 
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.2))
     for (name, values), color in zip(curves.items(), ["C0", "C0", "C1", "C1"]):
-        axes.plot(CONTEXTS, values, marker="o", color=color, linestyle="--" if "all full attention" in name else "-",
-                  label=name)
+        axes.plot(
+            CONTEXTS,
+            values,
+            marker="o",
+            color=color,
+            linestyle="--" if "all full attention" in name else "-",
+            label=name,
+        )
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xlabel("context (tokens)")

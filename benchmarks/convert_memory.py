@@ -1,4 +1,5 @@
-"""Peak memory of `samba-hf convert lit-gpt` on an official-size checkpoint (random weights, fp32 as pretrain.py saves).
+"""Peak memory of `samba-hf convert lit-gpt` on an official-size checkpoint (random weights, fp32 as pretrain.py
+saves).
 
     python benchmarks/convert_memory.py                      # Samba_421M (a 1.7 GB checkpoint)
     python benchmarks/convert_memory.py --config Samba_1.3B --dtype bfloat16  # 5.3 GB, written as bf16
@@ -62,14 +63,26 @@ def main():
         torch.save({"model": state, "iter_num": 1}, src)
         del state
         size = src.stat().st_size
-        command = [sys.executable, "-m", "samba_hf_cli", "convert", "lit-gpt", str(src), str(Path(tmp) / "out"),
-                   "--config", args.config, "--no-verify"] + (["--dtype", args.dtype] if args.dtype else [])
+        command = [
+            sys.executable,
+            "-m",
+            "samba_hf_cli",
+            "convert",
+            "lit-gpt",
+            str(src),
+            str(Path(tmp) / "out"),
+            "--config",
+            args.config,
+            "--no-verify",
+        ] + (["--dtype", args.dtype] if args.dtype else [])
         elapsed, peak_anon, peak_file = run_and_sample(command)
         params = sum(math.prod(s) for n, s in shapes.items() if n != "lm_head.weight")
-        print(f"{args.config}: {params:,} parameters, checkpoint {size / 2**30:.2f} GiB fp32, written as "
-              f"{args.dtype or 'float32'}; convert took {elapsed:.1f} s; "
-              f"peak RssAnon {peak_anon / 2**20:.2f} GiB, peak RssFile {peak_file / 2**20:.2f} GiB (memory-mapped, "
-              "reclaimable)")
+        print(
+            f"{args.config}: {params:,} parameters, checkpoint {size / 2**30:.2f} GiB fp32, written as "
+            f"{args.dtype or 'float32'}; convert took {elapsed:.1f} s; "
+            f"peak RssAnon {peak_anon / 2**20:.2f} GiB, peak RssFile {peak_file / 2**20:.2f} GiB (memory-mapped, "
+            "reclaimable)"
+        )
 
 
 if __name__ == "__main__":

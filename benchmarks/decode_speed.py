@@ -1,7 +1,8 @@
 """Decoding speed, third round (#21): eager against compiled, transformers' window against the in-place one.
 
     python benchmarks/decode_speed.py --out benchmarks/results/decode_speed.json [--dtypes float32,bfloat16]
-                                      [--contexts 1024,16384] [--steps 20] [--repeats 3] [--parts steps,default,kernels]
+                                      [--contexts 1024,16384] [--steps 20] [--repeats 3]
+                                      [--parts steps,default,kernels]
 
 1. The ~113M Samba and Llama of `run_benchmarks.py` (random weights, batch 1): the median one-token step at each
    context, every (model, cache, context) stepped in turn after 3 warm-up steps (the compiled ones compile there).
@@ -31,7 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_benchmarks import (  # noqa: E402
-    HEAD_DIM, KV_HEADS, WINDOW, build, decode_bytes_per_token, default_dtypes, measure_bandwidth_gbs,
+    HEAD_DIM,
+    KV_HEADS,
+    WINDOW,
+    build,
+    decode_bytes_per_token,
+    default_dtypes,
+    measure_bandwidth_gbs,
     synthetic_cache,
 )
 from vllm_serving import machine  # noqa: E402
@@ -68,8 +75,11 @@ def static_cache(model, context: int, room: int):
     g = torch.Generator().manual_seed(0)
     for idx, layer in enumerate(cache.layers):
         if isinstance(layer, LinearAttentionLayer):
-            cache.update_conv_state(torch.randn(1, config.mamba_d_inner, config.mamba_d_conv, generator=g).to(dtype),
-                                    idx, conv_kernel_size=config.mamba_d_conv)
+            cache.update_conv_state(
+                torch.randn(1, config.mamba_d_inner, config.mamba_d_conv, generator=g).to(dtype),
+                idx,
+                conv_kernel_size=config.mamba_d_conv,
+            )
             cache.update_recurrent_state(torch.randn(1, config.mamba_d_inner, config.mamba_d_state, generator=g), idx)
             continue
         probe = torch.zeros(1, KV_HEADS, 1, HEAD_DIM, dtype=dtype)
@@ -92,9 +102,11 @@ def decode_steps(dtype: torch.dtype, contexts: list[int], steps: int) -> dict:
     runs = {}
     for context in contexts:
         runs[("samba", "in-place window (samba-hf default), eager", context)] = dynamic_cache(
-            models["samba"], "samba", context, in_place=True)
+            models["samba"], "samba", context, in_place=True
+        )
         runs[("samba", "transformers' window, eager", context)] = dynamic_cache(
-            models["samba"], "samba", context, in_place=False)
+            models["samba"], "samba", context, in_place=False
+        )
         runs[("samba", "static cache, compiled", context)] = static_cache(models["samba"], context, steps + 8)
         runs[("llama", "dynamic cache, eager", context)] = dynamic_cache(models["llama"], "llama", context, False)
         runs[("llama", "static cache, compiled", context)] = static_cache(models["llama"], context, steps + 8)
@@ -106,8 +118,13 @@ def decode_steps(dtype: torch.dtype, contexts: list[int], steps: int) -> dict:
                 name, kind, context = key
                 call = compiled[name] if "compiled" in kind else models[name]
                 start = time.perf_counter()
-                call(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                     position_ids=torch.tensor([[context + step]]))
+                call(
+                    input_ids=token,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    position_ids=torch.tensor([[context + step]]),
+                )
                 if step >= 3:
                     times[key].append(time.perf_counter() - start)
     _, read_gbs = measure_bandwidth_gbs("cpu")
@@ -115,8 +132,10 @@ def decode_steps(dtype: torch.dtype, contexts: list[int], steps: int) -> dict:
     return {
         "read_bandwidth_gbs": read_gbs,
         "floor_ms": floors,
-        "step_ms": {f"{name} | {kind} | {context}": 1e3 * statistics.median(times[(name, kind, context)])
-                    for name, kind, context in runs},
+        "step_ms": {
+            f"{name} | {kind} | {context}": 1e3 * statistics.median(times[(name, kind, context)])
+            for name, kind, context in runs
+        },
     }
 
 
@@ -132,7 +151,10 @@ def kernels(dtype: torch.dtype, repeats: int = 7) -> dict:
     inputs = [torch.randn(1, layer.in_features).to(dtype) for layer in layers]
     times = {"linears, kernel": [], "linears, nn.Linear": []}
     query = torch.randn(1, 12, 1, HEAD_DIM).to(dtype)
-    keys, values = torch.randn(1, KV_HEADS, 1023, HEAD_DIM).to(dtype), torch.randn(1, KV_HEADS, 1023, HEAD_DIM).to(dtype)
+    keys, values = (
+        torch.randn(1, KV_HEADS, 1023, HEAD_DIM).to(dtype),
+        torch.randn(1, KV_HEADS, 1023, HEAD_DIM).to(dtype),
+    )
     attend = torch.nn.functional.scaled_dot_product_attention
     with torch.inference_mode():
         for _ in range(repeats):
@@ -141,8 +163,10 @@ def kernels(dtype: torch.dtype, repeats: int = 7) -> dict:
                 for layer, x in zip(layers, inputs):
                     layer(x) if name.endswith("kernel") else torch.nn.functional.linear(x, layer.weight, layer.bias)
                 times[name].append(time.perf_counter() - start)
-        for name, (q, k, v) in {f"sdpa, one query, {str(dtype)[6:]}": (query, keys, values),
-                                "sdpa, one query, float32": (query.float(), keys.float(), values.float())}.items():
+        for name, (q, k, v) in {
+            f"sdpa, one query, {str(dtype)[6:]}": (query, keys, values),
+            "sdpa, one query, float32": (query.float(), keys.float(), values.float()),
+        }.items():
             times[name] = []
             for _ in range(50):
                 start = time.perf_counter()
@@ -190,14 +214,30 @@ with torch.inference_mode():
 def default_model(dtype: str, repeats: int, tokens: int = 200) -> dict:
     """tokens/s: `samba-hf generate` as it prints them (the whole call; with --compile the median step after
     compiling) and a same-size Llama through `generate`, measured the same way, eager and compiled."""
-    cli = [sys.executable, "-c", "import sys; from samba_hf_cli import main; sys.exit(main())", "generate",
-           "The history of", "--max-new-tokens", str(tokens), "--dtype", dtype]
+    cli = [
+        sys.executable,
+        "-c",
+        "import sys; from samba_hf_cli import main; sys.exit(main())",
+        "generate",
+        "The history of",
+        "--max-new-tokens",
+        str(tokens),
+        "--dtype",
+        dtype,
+    ]
     commands = {
         "samba-hf generate": cli,
         "samba-hf generate --compile": cli + ["--compile"],
-        "llama generate, eager": [sys.executable, "-c", LLAMA_STEPS.format(dtype=dtype, compiled=False, tokens=tokens)],
+        "llama generate, eager": [
+            sys.executable,
+            "-c",
+            LLAMA_STEPS.format(dtype=dtype, compiled=False, tokens=tokens),
+        ],
         "llama generate, compiled (static cache)": [
-            sys.executable, "-c", LLAMA_STEPS.format(dtype=dtype, compiled=True, tokens=tokens)],
+            sys.executable,
+            "-c",
+            LLAMA_STEPS.format(dtype=dtype, compiled=True, tokens=tokens),
+        ],
     }
     rates = {name: [] for name in commands}
     for _ in range(repeats):
@@ -216,9 +256,13 @@ def main():
     parser.add_argument("--contexts", default="1024,16384")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--parts", default="steps,default,kernels", help="steps (the 113M models' decode step), "
-                        "default (the embedded default through samba-hf generate), kernels (the 113M Samba's linears "
-                        "through the kernel and nn.Linear; one query's sdpa)")
+    parser.add_argument(
+        "--parts",
+        default="steps,default,kernels",
+        help="steps (the 113M models' decode step), "
+        "default (the embedded default through samba-hf generate), kernels (the 113M Samba's linears "
+        "through the kernel and nn.Linear; one query's sdpa)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.out is not None and not args.out.parent.is_dir():
@@ -238,8 +282,14 @@ def main():
         parser.error(f"--contexts: give token counts separated by commas, got {args.contexts!r}")
     if min(contexts) < 1:
         parser.error("--contexts must be at least 1 token each")
-    report = {"command": " ".join(["python", "benchmarks/decode_speed.py", *sys.argv[1:]]), "machine": machine(),
-              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "window": WINDOW, "results": {}}
+    report = {
+        "command": " ".join(["python", "benchmarks/decode_speed.py", *sys.argv[1:]]),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "window": WINDOW,
+        "results": {},
+    }
     for dtype in dtypes:
         result = decode_steps(getattr(torch, dtype), contexts, args.steps) if "steps" in parts else {}
         if "kernels" in parts:

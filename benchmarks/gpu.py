@@ -56,28 +56,60 @@ def configs(smoke: bool) -> dict:
     """The four models' configs; --smoke: the same layouts at a few hundred thousand parameters."""
     if smoke:
         samba = SambaConfig.from_preset("tiny", sliding_window=16)
-        hybrid = SambaConfig.from_preset("mamba2-hybrid-8b", hybrid_override_pattern=HYBRID_PATTERN, vocab_size=512,
-                                         hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                         num_key_value_heads=2, head_dim=16, mamba_d_state=8, mamba2_head_dim=16,
-                                         mamba2_n_groups=2, mamba_expand=2, mamba2_chunk_size=16)
+        hybrid = SambaConfig.from_preset(
+            "mamba2-hybrid-8b",
+            hybrid_override_pattern=HYBRID_PATTERN,
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            mamba_d_state=8,
+            mamba2_head_dim=16,
+            mamba2_n_groups=2,
+            mamba_expand=2,
+            mamba2_chunk_size=16,
+        )
     else:
         samba = SambaConfig.from_preset("samba-1.3b")
         hybrid = SambaConfig.from_preset("mamba2-hybrid-8b", hybrid_override_pattern=HYBRID_PATTERN)
     llama = LlamaConfig(
-        vocab_size=samba.vocab_size, hidden_size=samba.hidden_size, intermediate_size=samba.intermediate_size,
-        num_hidden_layers=samba.num_hidden_layers, num_attention_heads=samba.num_attention_heads,
-        num_key_value_heads=samba.num_key_value_heads, head_dim=samba.head_dim, tie_word_embeddings=True,
-        max_position_embeddings=262144, attn_implementation="sdpa",
+        vocab_size=samba.vocab_size,
+        hidden_size=samba.hidden_size,
+        intermediate_size=samba.intermediate_size,
+        num_hidden_layers=samba.num_hidden_layers,
+        num_attention_heads=samba.num_attention_heads,
+        num_key_value_heads=samba.num_key_value_heads,
+        head_dim=samba.head_dim,
+        tie_word_embeddings=True,
+        max_position_embeddings=262144,
+        attn_implementation="sdpa",
     )
     c = hybrid
     nemotron = NemotronHConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, hybrid_override_pattern=HYBRID_PATTERN,
-        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        intermediate_size=c.intermediate_size, mlp_hidden_act="gelu",
-        ssm_state_size=c.mamba_d_state, mamba_num_heads=c.mamba2_num_heads, mamba_head_dim=c.mamba2_head_dim,
-        n_groups=c.mamba2_n_groups, conv_kernel=c.mamba_d_conv, chunk_size=c.mamba2_chunk_size,
-        layer_norm_epsilon=c.rms_norm_eps, tie_word_embeddings=False, use_bias=False, use_conv_bias=True,
-        attention_bias=False, mlp_bias=False, residual_in_fp32=False, attn_implementation="sdpa",
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        hybrid_override_pattern=HYBRID_PATTERN,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        intermediate_size=c.intermediate_size,
+        mlp_hidden_act="gelu",
+        ssm_state_size=c.mamba_d_state,
+        mamba_num_heads=c.mamba2_num_heads,
+        mamba_head_dim=c.mamba2_head_dim,
+        n_groups=c.mamba2_n_groups,
+        conv_kernel=c.mamba_d_conv,
+        chunk_size=c.mamba2_chunk_size,
+        layer_norm_epsilon=c.rms_norm_eps,
+        tie_word_embeddings=False,
+        use_bias=False,
+        use_conv_bias=True,
+        attention_bias=False,
+        mlp_bias=False,
+        residual_in_fp32=False,
+        attn_implementation="sdpa",
     )
     return {"Samba-1.3B": samba, "Llama-1.3B": llama, "Mamba-2-Hybrid": hybrid, "NemotronH": nemotron}
 
@@ -105,11 +137,15 @@ def filled_cache(model, batch: int, context: int) -> DynamicCache:
         if kind == "linear_attention":
             mixer = getattr(block, "mamba", None) or block.mixer
             kernel = mixer.conv1d.kernel_size[0]
-            cache.update_conv_state(torch.randn(batch, mixer.conv1d.in_channels, kernel, device=device, dtype=dtype),
-                                    i, conv_kernel_size=kernel)
-            shape = ((mixer.num_heads, mixer.head_dim) if hasattr(mixer, "num_heads") else (mixer.intermediate_size,))
+            cache.update_conv_state(
+                torch.randn(batch, mixer.conv1d.in_channels, kernel, device=device, dtype=dtype),
+                i,
+                conv_kernel_size=kernel,
+            )
+            shape = (mixer.num_heads, mixer.head_dim) if hasattr(mixer, "num_heads") else (mixer.intermediate_size,)
             cache.update_recurrent_state(
-                torch.randn(batch, *shape, mixer.ssm_state_size, device=device, dtype=torch.float32), i)
+                torch.randn(batch, *shape, mixer.ssm_state_size, device=device, dtype=torch.float32), i
+            )
         elif kind in ("sliding_attention", "full_attention"):
             length = context if kind == "full_attention" else min(context, config.sliding_window - 1)
             kv = torch.randn(batch, config.num_key_value_heads, length, config.head_dim, device=device, dtype=dtype)
@@ -170,9 +206,9 @@ def prefill(model, length: int, repeat: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, length), device=model.device)
     best, peak = float("inf"), 0.0
     with torch.no_grad():
-        # warm-up at this very length: the kernels' first launch at these shapes, and (past the window) flex_attention's
-        # compile for this length's bucket. (The H100 run of 2026-11-26 warmed up at 4K only, and its one timed run at
-        # 128K held the compile: 11.2 s where 32K took 0.33 s.)
+        # warm-up at this very length: the kernels' first launch at these shapes, and (past the window)
+        # flex_attention's compile for this length's bucket. (The H100 run of 2026-11-26 warmed up at 4K only, and its
+        # one timed run at 128K held the compile: 11.2 s where 32K took 0.33 s.)
         model(ids, use_cache=False, logits_to_keep=1)
         for _ in range(repeat):
             with Timer() as t:
@@ -213,7 +249,7 @@ def sdpa_without_cudnn():
 def decode_eager(model, context: int, batch: int, steps: int, cudnn: bool = True) -> dict:
     """cudnn=False: `sdpa_without_cudnn`; for transformers' models, the baseline that is not slowed by cuDNN's
     graphs (docs/speed.md)."""
-    with (contextlib.nullcontext() if cudnn else sdpa_without_cudnn()):
+    with contextlib.nullcontext() if cudnn else sdpa_without_cudnn():
         run = eager_decoder(model, context, batch)
         with torch.no_grad(), Timer() as t:
             run(steps)
@@ -264,16 +300,27 @@ def decode_graphs(model, context: int, batch: int, steps: int) -> dict:
     model.get_compiled_call = timed_compiled_call  # (generate asks for the compiled forward once per call)
     try:
         with Timer() as t:
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 3,
-                           min_new_tokens=steps + 3, do_sample=False, cache_implementation="static",
-                           logits_processor=LogitsProcessorList([stamps]), pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=steps + 3,
+                min_new_tokens=steps + 3,
+                do_sample=False,
+                cache_implementation="static",
+                logits_processor=LogitsProcessorList([stamps]),
+                pad_token_id=0,
+            )
     finally:
         del model.get_compiled_call  # the class's method again
     step = (stamps.times[-1] - stamps.times[2]) / (len(stamps.times) - 3)  # after the prompt and two warm-up steps
     own = sorted(call if isinstance(call, float) else call[0].elapsed_time(call[1]) for call in calls[2:])
-    return {"tokens_per_s": batch / step, "ms_per_step": 1000 * step, "peak_gib": t.peak_gib,
-            "compiled": getattr(model, "_compiled_call", None) is not None,
-            "forward_ms": own[len(own) // 2] if own else None}
+    return {
+        "tokens_per_s": batch / step,
+        "ms_per_step": 1000 * step,
+        "peak_gib": t.peak_gib,
+        "compiled": getattr(model, "_compiled_call", None) is not None,
+        "forward_ms": own[len(own) // 2] if own else None,
+    }
 
 
 def weights_read(model) -> dict:
@@ -287,8 +334,11 @@ def weights_read(model) -> dict:
         for _ in range(5):
             copy.copy_(buffer)
     bandwidth = 5 * 2 * buffer.numel() * buffer.element_size() / t.seconds
-    return {"weights_gib": weight_bytes / 2**30, "copy_gb_per_s": bandwidth / 1e9,
-            "weights_read_ms": 1000 * weight_bytes / bandwidth}
+    return {
+        "weights_gib": weight_bytes / 2**30,
+        "copy_gb_per_s": bandwidth / 1e9,
+        "weights_read_ms": 1000 * weight_bytes / bandwidth,
+    }
 
 
 def train_step(model, length: int) -> dict:
@@ -351,9 +401,14 @@ def measure(args, device) -> dict:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     result = {
         "command": "python benchmarks/gpu.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "date": date.today().isoformat(), "device": device_name(device), "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__, "dtype": str(dtype).replace("torch.", ""),
-        "label": args.label, "kernels": kernels_present(), "models": {},
+        "date": date.today().isoformat(),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "dtype": str(dtype).replace("torch.", ""),
+        "label": args.label,
+        "kernels": kernels_present(),
+        "models": {},
     }
     result["sliding_attention"] = sliding_attention(args, device, dtype)
     result["mamba_conv"] = mamba_conv(args, device, dtype)
@@ -375,7 +430,9 @@ def measure(args, device) -> dict:
             row["parameters"] = sum(p.numel() for p in model.parameters())
             PHASES[phase](args, name, model, row)
             # which path Samba's long sliding-window prompts took: flex_attention, or block-wise where it failed
-            result["flex_attention_works"] = {str(key): ok for key, ok in attention_samba._FLEX_ATTENTION_WORKS.items()}
+            result["flex_attention_works"] = {
+                str(key): ok for key, ok in attention_samba._FLEX_ATTENTION_WORKS.items()
+            }
             del model
             if args.out:  # so that a run cut short keeps what it measured
                 write_json(args.out, result)
@@ -401,8 +458,9 @@ def decode_phase(args, name, model, row):
         for batch in sorted({1, args.batch}):
             why = skip_reason(args)
             entry = row["decode"].setdefault(f"{context}x{batch}", {})
-            entry["eager"] = ({"skipped": why} if why
-                              else attempt(lambda: decode_eager(model, context, batch, args.steps)))
+            entry["eager"] = (
+                {"skipped": why} if why else attempt(lambda: decode_eager(model, context, batch, args.steps))
+            )
             report(name, f"decode {context}x{batch} eager", entry["eager"])
             if name in BASELINES.values() and not skip_reason(args):
                 entry["eager_no_cudnn"] = attempt(lambda: decode_eager(model, context, batch, args.steps, cudnn=False))
@@ -446,8 +504,11 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
     # 12 operators showed it for Samba and Llama and could not show what NemotronH's and the hybrid's took): each
     # operator and kernel named for attention, as [name, device ms, count] per step (cuDNN's attention operator is
     # aten::_cudnn_attention_forward, its kernels "..._sdpa_..."; "cudnn" alone would take in cuDNN's convolutions)
-    attention = [[e.key, round(getattr(e, device_time, 0) / steps / 1000, 4), round(e.count / steps, 1)]
-                 for e in events if any(word in e.key.lower() for word in ("attention", "sdp", "fmha", "flash"))]
+    attention = [
+        [e.key, round(getattr(e, device_time, 0) / steps / 1000, 4), round(e.count / steps, 1)]
+        for e in events
+        if any(word in e.key.lower() for word in ("attention", "sdp", "fmha", "flash"))
+    ]
 
     one_by_one = []
     for _ in range(8):
@@ -466,15 +527,25 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
         python.disable()
     stats = pstats.Stats(python).stats  # {(file, line, function): (calls, primitive, tottime, cumtime, callers)}
     by_self = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:15]
-    return {"ms_per_step_cpu_by_op": top("self_cpu_time_total"), "ms_per_step_device_by_op": top(device_time),
-            "values_read_on_host_per_step": per_step("aten::_local_scalar_dense", "aten::tolist"),
-            "synchronize_calls_per_step": per_step("Synchronize"), "ops_per_step": per_step(""),
-            "attention_ops_per_step": attention,
-            "profiled_ms_per_step": 1000 * profiled.seconds / steps, "ms_of_8_steps_one_by_one": one_by_one,
-            "ms_per_step_sdpa_without_cudnn": without_cudnn,
-            "python_ms_per_step_by_function": [
-                [f"{os.path.basename(file)}:{line} {function}", round(1000 * value[2] / steps, 3),
-                 round(value[0] / steps, 1)] for (file, line, function), value in by_self]}
+    return {
+        "ms_per_step_cpu_by_op": top("self_cpu_time_total"),
+        "ms_per_step_device_by_op": top(device_time),
+        "values_read_on_host_per_step": per_step("aten::_local_scalar_dense", "aten::tolist"),
+        "synchronize_calls_per_step": per_step("Synchronize"),
+        "ops_per_step": per_step(""),
+        "attention_ops_per_step": attention,
+        "profiled_ms_per_step": 1000 * profiled.seconds / steps,
+        "ms_of_8_steps_one_by_one": one_by_one,
+        "ms_per_step_sdpa_without_cudnn": without_cudnn,
+        "python_ms_per_step_by_function": [
+            [
+                f"{os.path.basename(file)}:{line} {function}",
+                round(1000 * value[2] / steps, 3),
+                round(value[0] / steps, 1),
+            ]
+            for (file, line, function), value in by_self
+        ],
+    }
 
 
 def train_phase(args, name, model, row):
@@ -521,8 +592,12 @@ def sliding_attention(args, device, dtype) -> dict:
         window_s = timed(lambda: sliding_window_attention_blockwise(module, q, k, v, None, window, head_dim**-0.5))
         full_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
         keys = sum(min(i + 1, window) for i in range(length))  # (query, key) pairs each computes that count
-        row = {"window_seconds": window_s, "full_causal_seconds": full_s,
-               "window_keys_per_s": keys / window_s, "full_causal_keys_per_s": length * (length + 1) / 2 / full_s}
+        row = {
+            "window_seconds": window_s,
+            "full_causal_seconds": full_s,
+            "window_keys_per_s": keys / window_s,
+            "full_causal_keys_per_s": length * (length + 1) / 2 / full_s,
+        }
         if device.type == "cuda":  # the other candidate without flash-attn: flex_attention with a sliding mask
             flex = attempt(lambda: flex_sliding_window(q, k, v, window, keys))
             row.update({("flex_error" if name == "error" else name): value for name, value in flex.items()})
@@ -566,13 +641,18 @@ def mamba_conv(args, device, dtype) -> dict:
     @torch.no_grad()
     def measure(length):
         x = torch.randn(1, length, channels, device=device, dtype=dtype).transpose(1, 2)  # (1, d, L), channels last
-        row = {"conv1d_seconds": timed(lambda: conv(x)[..., :length]),
-               "shifted_adds_seconds": timed(lambda: depthwise_causal_conv(conv.weight[:, 0], conv.bias, x, length))}
+        row = {
+            "conv1d_seconds": timed(lambda: conv(x)[..., :length]),
+            "shifted_adds_seconds": timed(lambda: depthwise_causal_conv(conv.weight[:, 0], conv.bias, x, length)),
+        }
         if found.causal_conv1d_fn is not None:
             row["causal_conv1d_seconds"] = timed(
-                lambda: found.causal_conv1d_fn(x.contiguous(), conv.weight[:, 0], conv.bias, activation=None))
+                lambda: found.causal_conv1d_fn(x.contiguous(), conv.weight[:, 0], conv.bias, activation=None)
+            )
         if found.causal_conv_triton is not None:
-            row["triton_conv_seconds"] = timed(lambda: found.causal_conv_triton(x, conv.weight[:, 0], conv.bias, length))
+            row["triton_conv_seconds"] = timed(
+                lambda: found.causal_conv_triton(x, conv.weight[:, 0], conv.bias, length)
+            )
         return row
 
     return at_each_length(args, "conv", measure)
@@ -592,12 +672,27 @@ def scan_inputs(args, device, dtype, length: int) -> dict:
     d, n = samba.mamba_d_inner, samba.mamba_d_state
     heads, p, groups, m = hybrid.mamba2_num_heads, hybrid.mamba2_head_dim, hybrid.mamba2_n_groups, hybrid.mamba_d_state
     return {
-        "samba": ([randn(1, length, d).to(dtype), torch.nn.functional.softplus(randn(1, length, d) - 4).to(dtype),
-                   randn(1, length, n).to(dtype), randn(1, length, n).to(dtype), randn(1, length, d).to(dtype)],
-                  -torch.rand(d, n, device=device, generator=g) * 16, torch.ones(d, device=device)),
-        "mamba2": ([randn(1, length, heads, p).to(dtype), torch.nn.functional.softplus(randn(1, length, heads) - 4),
-                    randn(1, length, groups, m).to(dtype), randn(1, length, groups, m).to(dtype)],
-                   -torch.rand(heads, device=device, generator=g) * 16, torch.ones(heads, device=device)),
+        "samba": (
+            [
+                randn(1, length, d).to(dtype),
+                torch.nn.functional.softplus(randn(1, length, d) - 4).to(dtype),
+                randn(1, length, n).to(dtype),
+                randn(1, length, n).to(dtype),
+                randn(1, length, d).to(dtype),
+            ],
+            -torch.rand(d, n, device=device, generator=g) * 16,
+            torch.ones(d, device=device),
+        ),
+        "mamba2": (
+            [
+                randn(1, length, heads, p).to(dtype),
+                torch.nn.functional.softplus(randn(1, length, heads) - 4),
+                randn(1, length, groups, m).to(dtype),
+                randn(1, length, groups, m).to(dtype),
+            ],
+            -torch.rand(heads, device=device, generator=g) * 16,
+            torch.ones(heads, device=device),
+        ),
     }
 
 
@@ -613,12 +708,17 @@ def mamba_scan(args, device, dtype) -> dict:
     hybrid = configs(args.smoke)["Mamba-2-Hybrid"]
     found, in_this_run = installed_kernels(), ssm_samba.load_kernels()
     none = dict.fromkeys(ssm_samba.Kernels._fields[:-1])
-    only = {"triton": found._replace(selective_scan_fn=None, selective_state_update=None, mamba_chunk_scan_combined=None),
-            "mamba_ssm": found._replace(selective_scan_triton=None, ssd_scan_triton=None, ssd_chunked_triton=None,
-                                        selective_state_update=None),
-            "pytorch": found._replace(**none)}
-    available = {"samba": {"triton": found.selective_scan_triton, "mamba_ssm": found.selective_scan_fn},
-                 "mamba2": {"triton": found.ssd_scan_triton, "mamba_ssm": found.mamba_chunk_scan_combined}}
+    only = {
+        "triton": found._replace(selective_scan_fn=None, selective_state_update=None, mamba_chunk_scan_combined=None),
+        "mamba_ssm": found._replace(
+            selective_scan_triton=None, ssd_scan_triton=None, ssd_chunked_triton=None, selective_state_update=None
+        ),
+        "pytorch": found._replace(**none),
+    }
+    available = {
+        "samba": {"triton": found.selective_scan_triton, "mamba_ssm": found.selective_scan_fn},
+        "mamba2": {"triton": found.ssd_scan_triton, "mamba_ssm": found.mamba_chunk_scan_combined},
+    }
 
     def scan(kind, leaves, A, D):
         if kind == "samba":
@@ -642,7 +742,8 @@ def mamba_scan(args, device, dtype) -> dict:
                     if length == min(4096, max(attention_lengths(args))):
                         leaves = [t.detach().requires_grad_() for t in tensors]
                         row[f"{kind}_{name}_train_seconds"] = timed(
-                            lambda: scan(kind, leaves, A, D).float().sum().backward())
+                            lambda: scan(kind, leaves, A, D).float().sum().backward()
+                        )
                 finally:
                     ssm_samba._KERNELS = in_this_run
         return row
@@ -702,14 +803,18 @@ def scan_configs(args, device, dtype) -> dict:
         inputs = scan_inputs(args, device, dtype, length)
         (u, dt, B, C, z), A, D = inputs["samba"]
         (x, dt2, B2, C2), A2, D2 = inputs["mamba2"]
-        calls = {"samba": lambda: found.selective_scan_triton(u, dt, A, B, C, D, z)[0],
-                 "mamba2": lambda: ssd(x, dt2, A2, B2, C2, D2)}
+        calls = {
+            "samba": lambda: found.selective_scan_triton(u, dt, A, B, C, D, z)[0],
+            "mamba2": lambda: ssd(x, dt2, A2, B2, C2, D2),
+        }
         row, reference = {}, {}
         for name, values in SCAN_CONFIGS:
             saved = {key: getattr(owner(key), key) for key in values}
             # a launch that fails to compile leaves its dtype to the scan (ssm_samba's record of it): for that
             # launch only, not for the next ones or the models measured after
-            chunked_ssd = {key: set(getattr(ssm_samba, key)) for key in ("_CHUNKED_SSD_FAILED", "_CHUNKED_SSD_CHECKED")}
+            chunked_ssd = {
+                key: set(getattr(ssm_samba, key)) for key in ("_CHUNKED_SSD_FAILED", "_CHUNKED_SSD_CHECKED")
+            }
             try:
                 for key, value in values.items():
                     setattr(owner(key), key, value)
@@ -718,13 +823,20 @@ def scan_configs(args, device, dtype) -> dict:
                         seconds = timed(call)
                         out = call().float()
                     reference.setdefault(kind, out)
-                    row[f"{kind} {name}"] = {"seconds": seconds,
-                                             "difference": (out - reference[kind]).abs().max().item()}
+                    row[f"{kind} {name}"] = {
+                        "seconds": seconds,
+                        "difference": (out - reference[kind]).abs().max().item(),
+                    }
                 if length == min(4096, max(attention_lengths(args))):  # the backward takes the same tiles
                     leaves = [t.detach().requires_grad_() for t in (u, dt, B, C, z)]
                     row[f"samba {name}"]["train_seconds"] = timed(
-                        lambda: found.selective_scan_triton(leaves[0], leaves[1], A, leaves[2], leaves[3], D,
-                                                            leaves[4])[0].float().sum().backward())
+                        lambda: (
+                            found.selective_scan_triton(leaves[0], leaves[1], A, leaves[2], leaves[3], D, leaves[4])[0]
+                            .float()
+                            .sum()
+                            .backward()
+                        )
+                    )
             finally:
                 for key, value in saved.items():
                     setattr(owner(key), key, value)
@@ -797,10 +909,11 @@ DECODE_MODES = ("eager", "eager_no_cudnn", "graphs")  # a decode cell: "eager / 
 
 
 def table(paths: list[str]) -> str:
-    """The runs as Markdown for docs/speed-history.md, in the paper's Table 4 spirit: per run and model, prefill tokens/s at
-    each length (Samba's ratio to the same run's Llama, the Mamba-2-Hybrid's to NemotronH), decode tokens/s per
-    context x batch (eager / eager with sdpa kept off cuDNN, for transformers' models / graphs), the
+    """The runs as Markdown for docs/speed-history.md, in the paper's Table 4 spirit: per run and model, prefill
+    tokens/s at each length (Samba's ratio to the same run's Llama, the Mamba-2-Hybrid's to NemotronH), decode tokens/s
+    per context x batch (eager / eager with sdpa kept off cuDNN, for transformers' models / graphs), the
     training step's tokens/s; each run's label, device and date on its heading."""
+
     def cell(entry, key="tokens_per_s"):
         if not isinstance(entry, dict):
             return "-"
@@ -813,15 +926,19 @@ def table(paths: list[str]) -> str:
         run = json.load(open(path))
         lines += [f"#### {run['label']}: {run['device']}, {run['dtype']}, {run['date']} (`{run['command']}`)", ""]
         lengths = sorted({int(n) for row in run["models"].values() for n in row["prefill"]})
-        contexts = sorted({k for row in run["models"].values() for k in row["decode"]},
-                          key=lambda k: tuple(map(int, k.split("x"))))
+        contexts = sorted(
+            {k for row in run["models"].values() for k in row["decode"]}, key=lambda k: tuple(map(int, k.split("x")))
+        )
+
         def tokens(n):
             return f"{int(n) // 1024}K" if int(n) >= 1024 else str(n)
 
         trained = sorted({int(n) for row in run["models"].values() for n in row["train"]})
-        heading = ([f"prefill {tokens(n)}" for n in lengths]
-                   + [f"decode {tokens(k.split('x')[0])} b{k.split('x')[1]}" for k in contexts]
-                   + [f"train {tokens(n)}" for n in trained])
+        heading = (
+            [f"prefill {tokens(n)}" for n in lengths]
+            + [f"decode {tokens(k.split('x')[0])} b{k.split('x')[1]}" for k in contexts]
+            + [f"train {tokens(n)}" for n in trained]
+        )
         lines += ["| model | " + " | ".join(heading) + " |", "|---" * (1 + len(heading)) + "|"]
         for name, row in run["models"].items():
             baseline = run["models"].get(BASELINES.get(name), {}).get("prefill", {})
@@ -832,8 +949,7 @@ def table(paths: list[str]) -> str:
                 if "tokens_per_s" in (entry or {}) and "tokens_per_s" in base:
                     ratio = f" ({entry['tokens_per_s'] / base['tokens_per_s']:.2f}x)"
                 prefill.append(cell(entry) + ratio)
-            decode = [" / ".join(cell(row["decode"].get(k, {}).get(mode)) for mode in DECODE_MODES)
-                      for k in contexts]
+            decode = [" / ".join(cell(row["decode"].get(k, {}).get(mode)) for mode in DECODE_MODES) for k in contexts]
             train = [cell(row["train"].get(str(n))) for n in trained]
             lines.append(f"| {name} | " + " | ".join(prefill + decode + train) + " |")
         lines.append("")
@@ -856,8 +972,11 @@ def plot(paths: list[str], out: str):
             if points:
                 left.plot(*zip(*points), marker="o", label=f"{name} ({run['label']})")
             for mode, style in (("eager", "-"), ("graphs", "--")):
-                points = [(int(k.split("x")[0]), v[mode]["tokens_per_s"]) for k, v in row["decode"].items()
-                          if k.endswith("x1") and "tokens_per_s" in v.get(mode, {})]
+                points = [
+                    (int(k.split("x")[0]), v[mode]["tokens_per_s"])
+                    for k, v in row["decode"].items()
+                    if k.endswith("x1") and "tokens_per_s" in v.get(mode, {})
+                ]
                 if points:
                     right.plot(*zip(*points), style, marker="o", label=f"{name} ({run['label']}, {mode})")
     for axis, title in ((left, "prefill: prompt tokens/s"), (right, "decode, batch 1: tokens/s")):
@@ -882,27 +1001,53 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
     parser.add_argument("--train", default="4096", help="training-step lengths")
     parser.add_argument("--repeat", type=int, default=2, help="prefill: best of this many")
-    parser.add_argument("--cap", type=float, default=10.0,
-                        help="seconds: a prefill predicted to take longer (scaled from the last length) is skipped")
-    parser.add_argument("--time-limit", type=float, default=float("inf"),
-                        help="seconds for the whole run: measurements after it are skipped (the JSON still written)")
-    parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="also decode through generate with a static cache (compiled, CUDA graphs)")
-    parser.add_argument("--graphs-max-context", type=int, default=1024,
-                        help="contexts up to this decode with graphs too (each context and batch compiles anew)")
-    parser.add_argument("--kernels", choices=("all", "triton", "none"), default="all",
-                        help="samba-hf's kernels in this run: all that are installed; samba-hf's Triton scan alone "
-                             "(what pip install gives); none (PyTorch). NemotronH takes mamba-ssm where it imports, "
-                             "except with triton or none")
+    parser.add_argument(
+        "--cap",
+        type=float,
+        default=10.0,
+        help="seconds: a prefill predicted to take longer (scaled from the last length) is skipped",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=float("inf"),
+        help="seconds for the whole run: measurements after it are skipped (the JSON still written)",
+    )
+    parser.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also decode through generate with a static cache (compiled, CUDA graphs)",
+    )
+    parser.add_argument(
+        "--graphs-max-context",
+        type=int,
+        default=1024,
+        help="contexts up to this decode with graphs too (each context and batch compiles anew)",
+    )
+    parser.add_argument(
+        "--kernels",
+        choices=("all", "triton", "none"),
+        default="all",
+        help="samba-hf's kernels in this run: all that are installed; samba-hf's Triton scan alone "
+        "(what pip install gives); none (PyTorch). NemotronH takes mamba-ssm where it imports, "
+        "except with triton or none",
+    )
     parser.add_argument("--label", default=None, help="names this run in the plot (default: from the kernels found)")
     parser.add_argument("--out", default=None, help="write the JSON here")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny models on the CPU: checks this script, measures nothing")
-    parser.add_argument("--plot", nargs="+", default=None,
-                        help="JSON files of earlier runs: draw them, measure nothing")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny models on the CPU: checks this script, measures nothing"
+    )
+    parser.add_argument(
+        "--plot", nargs="+", default=None, help="JSON files of earlier runs: draw them, measure nothing"
+    )
     parser.add_argument("--plot-out", default="out/gpu/figure2.png")
-    parser.add_argument("--table", nargs="+", default=None,
-                        help="JSON files of earlier runs: print them as Markdown tables (tokens/s), measure nothing")
+    parser.add_argument(
+        "--table",
+        nargs="+",
+        default=None,
+        help="JSON files of earlier runs: print them as Markdown tables (tokens/s), measure nothing",
+    )
     args = parser.parse_args(argv)
     for option in ("table", "plot"):
         missing = [p for p in getattr(args, option) or () if not os.path.isfile(p)]
@@ -924,26 +1069,35 @@ def main(argv=None):
         if any(v < 1 for v in values):
             parser.error(f"--{option} takes positive token counts, got {getattr(args, option)!r}")
     if args.batch < 1 or args.steps < 2 or args.repeat < 1 or args.cap <= 0 or args.time_limit <= 0:
-        parser.error("--batch and --repeat take 1 or more, --steps 2 or more, --cap and --time-limit a positive "
-                     "number of seconds")
+        parser.error(
+            "--batch and --repeat take 1 or more, --steps 2 or more, --cap and --time-limit a positive "
+            "number of seconds"
+        )
     if args.out and os.path.isdir(args.out):
         parser.error(f"--out {args.out} is a folder: give the JSON file's path")
     if args.smoke:
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
-        print(f"benchmarks/gpu.py: no CUDA GPU on this machine (torch {torch.__version__}); nothing measured. Run it "
-              "on a GPU machine, or pass --smoke to check the script on tiny models here.", file=sys.stderr)
+        print(
+            f"benchmarks/gpu.py: no CUDA GPU on this machine (torch {torch.__version__}); nothing measured. Run it "
+            "on a GPU machine, or pass --smoke to check the script on tiny models here.",
+            file=sys.stderr,
+        )
         return 1
     else:
         device = torch.device("cuda")
     global INSTALLED
     INSTALLED = ssm_samba.load_kernels()
     if args.kernels != "all":
-        keep = ("selective_scan_triton", "ssd_scan_triton", "ssd_chunked_triton", "causal_conv_triton") \
-            if args.kernels == "triton" else ()
+        keep = (
+            ("selective_scan_triton", "ssd_scan_triton", "ssd_chunked_triton", "causal_conv_triton")
+            if args.kernels == "triton"
+            else ()
+        )
         found = INSTALLED
-        ssm_samba._KERNELS = found._replace(**{name: None for name in ssm_samba.Kernels._fields[:-1]
-                                               if name not in keep})
+        ssm_samba._KERNELS = found._replace(
+            **{name: None for name in ssm_samba.Kernels._fields[:-1] if name not in keep}
+        )
         hide_kernel_packages()
     if args.label is None:
         found = kernels_present()

@@ -40,13 +40,17 @@ def main():
         if args.chunk:
             cache = DynamicCache(config=model.config)
             for pos in range(0, args.tokens, args.chunk):
-                logits = model(ids[:, pos : pos + args.chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                logits = model(
+                    ids[:, pos : pos + args.chunk], past_key_values=cache, use_cache=True, logits_to_keep=1
+                ).logits
         else:
             logits = model(ids, logits_to_keep=1).logits
     elapsed = time.perf_counter() - start
     assert torch.isfinite(logits).all()
-    print(f"{args.preset}, {args.tokens} tokens, {'one forward' if not args.chunk else f'chunks of {args.chunk}'}: "
-          f"{elapsed:.0f} s, peak RSS {peak_rss_gib():.2f} GiB (model alone {after_load:.2f} GiB)")
+    print(
+        f"{args.preset}, {args.tokens} tokens, {'one forward' if not args.chunk else f'chunks of {args.chunk}'}: "
+        f"{elapsed:.0f} s, peak RSS {peak_rss_gib():.2f} GiB (model alone {after_load:.2f} GiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -6,17 +6,17 @@ torch path: what runs without mamba-ssm) and a Llama of the same size, on this m
     python benchmarks/mamba2_hybrid.py --models samba-hf,Llama --prefill 32768 --decode "" --profile-length 0 \
         --out benchmarks/results/mamba2_hybrid_32k.json            # NemotronH's torch path needs ~30 GiB at 32K
 
-One model is in memory at a time. The slice is blocks 7-13 of the 8B's pattern, "M-M*-M-" (3 Mamba-2, 1 attention, 3 MLP blocks: 773M parameters at
-hidden 4096, Mamba-2 heads 128 x 64, 8 groups, state 128; GQA 32/8 heads of 128; GELU MLP 16384), with a 32K
-vocabulary instead of 256K so that three models fit in memory at once. NemotronH gets the same sizes (weights of its
-own: speed does not depend on them). The Llama has 3 layers of hidden 4096, GQA 32/8, SwiGLU 17408: 768M parameters
-besides the embeddings, as the hybrid's 773M.
+One model is in memory at a time. The slice is blocks 7-13 of the 8B's pattern, "M-M*-M-" (3 Mamba-2, 1 attention, 3
+MLP blocks: 773M parameters at hidden 4096, Mamba-2 heads 128 x 64, 8 groups, state 128; GQA 32/8 heads of 128; GELU
+MLP 16384), with a 32K vocabulary instead of 256K so that three models fit in memory at once. NemotronH gets the same
+sizes (weights of its own: speed does not depend on them). The Llama has 3 layers of hidden 4096, GQA 32/8, SwiGLU
+17408: 768M parameters besides the embeddings, as the hybrid's 773M.
 
-Prefill: one forward over a random prompt, best of --repeat (of 1 from 16K tokens), with the process's peak RSS. Decode: one-token
-steps from a cache holding --decode contexts (filled with random keys/values and states: a step's time does not
-depend on them), best of --steps. Memory: each model's cache at each context (bytes of its tensors). "Where the time
-goes": samba-hf's prefill at --profile-length under torch.profiler, grouped by operation. Prints a table; --out writes
-the JSON.
+Prefill: one forward over a random prompt, best of --repeat (of 1 from 16K tokens), with the process's peak RSS.
+Decode: one-token steps from a cache holding --decode contexts (filled with random keys/values and states: a step's
+time does not depend on them), best of --steps. Memory: each model's cache at each context (bytes of its tensors).
+"Where the time goes": samba-hf's prefill at --profile-length under torch.profiler, grouped by operation. Prints a
+table; --out writes the JSON.
 """
 
 import argparse
@@ -43,19 +43,44 @@ def build(name: str, pattern: str, vocab: int):
     if name == "samba-hf":
         return SambaForCausalLM(samba_config).eval()
     if name == "NemotronH":
-        return NemotronHForCausalLM(NemotronHConfig(
-            vocab_size=vocab, hidden_size=c.hidden_size, hybrid_override_pattern=pattern, num_attention_heads=32,
-            num_key_value_heads=8, head_dim=128, intermediate_size=c.intermediate_size, mlp_hidden_act="gelu",
-            ssm_state_size=c.mamba_d_state, mamba_num_heads=c.mamba2_num_heads, mamba_head_dim=c.mamba2_head_dim,
-            n_groups=c.mamba2_n_groups, conv_kernel=4, chunk_size=128, layer_norm_epsilon=1e-5,
-            tie_word_embeddings=False, use_bias=False, use_conv_bias=True, attention_bias=False, mlp_bias=False,
-            residual_in_fp32=False,
-        )).eval()
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=c.hidden_size, intermediate_size=17408, num_hidden_layers=3,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-        max_position_embeddings=131072,
-    )).eval()
+        return NemotronHForCausalLM(
+            NemotronHConfig(
+                vocab_size=vocab,
+                hidden_size=c.hidden_size,
+                hybrid_override_pattern=pattern,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=128,
+                intermediate_size=c.intermediate_size,
+                mlp_hidden_act="gelu",
+                ssm_state_size=c.mamba_d_state,
+                mamba_num_heads=c.mamba2_num_heads,
+                mamba_head_dim=c.mamba2_head_dim,
+                n_groups=c.mamba2_n_groups,
+                conv_kernel=4,
+                chunk_size=128,
+                layer_norm_epsilon=1e-5,
+                tie_word_embeddings=False,
+                use_bias=False,
+                use_conv_bias=True,
+                attention_bias=False,
+                mlp_bias=False,
+                residual_in_fp32=False,
+            )
+        ).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=c.hidden_size,
+            intermediate_size=17408,
+            num_hidden_layers=3,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=False,
+            max_position_embeddings=131072,
+        )
+    ).eval()
 
 
 MODELS = ("samba-hf", "NemotronH", "Llama")
@@ -120,11 +145,18 @@ def main():
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     result = {
-        "command": "python benchmarks/mamba2_hybrid.py " + " ".join(
-            f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(args).items() if v is not None),
-        "date": date.today().isoformat(), "machine": machine(), "torch": torch.__version__, "pattern": PATTERN,
-        "dtype": "float32", "parameters_without_embeddings": {}, "prefill_seconds": {}, "prefill_peak_gib": {},
-        "decode_step_seconds": {}, "cache_bytes": {},
+        "command": "python benchmarks/mamba2_hybrid.py "
+        + " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(args).items() if v is not None),
+        "date": date.today().isoformat(),
+        "machine": machine(),
+        "torch": torch.__version__,
+        "pattern": PATTERN,
+        "dtype": "float32",
+        "parameters_without_embeddings": {},
+        "prefill_seconds": {},
+        "prefill_peak_gib": {},
+        "decode_step_seconds": {},
+        "cache_bytes": {},
     }
     if set(args.models.split(",")) - set(MODELS):
         parser.error(f"--models takes names from {','.join(MODELS)}, got {args.models!r}")
@@ -152,8 +184,11 @@ def main():
                 best = min(best, time.perf_counter() - start)
             result["decode_step_seconds"].setdefault(context, {})[name] = best
             result["cache_bytes"].setdefault(context, {})[name] = cache_bytes(cache)
-            print(f"{name:>9} decode at {context:>6}: {1000 * best:7.1f} ms, cache {cache_bytes(cache) / 2**20:7.1f} MiB",
-                  flush=True)
+            print(
+                f"{name:>9} decode at {context:>6}: {1000 * best:7.1f} ms, "
+                f"cache {cache_bytes(cache) / 2**20:7.1f} MiB",
+                flush=True,
+            )
             del cache
         if name == "samba-hf" and args.profile_length:
             result["samba_hf_prefill_profile"] = where_the_time_goes(model, args.profile_length)
@@ -196,8 +231,8 @@ def machine() -> str:
     try:
         with open("/proc/cpuinfo") as info:
             lines = info.read().splitlines()
-        name = next(l.split(":", 1)[1].strip() for l in lines if l.startswith("model name"))
-        flags = next(l.split(":", 1)[1].split() for l in lines if l.startswith("flags"))
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
         name += " (" + ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags) + ")"
     except (OSError, StopIteration):
         pass

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from convert_memory import run_and_sample
 
 from samba_hf import SambaConfig
@@ -44,7 +43,9 @@ def main():
         backing.mkdir()
         state, generator = {}, torch.Generator().manual_seed(0)
         start = time.perf_counter()
-        for index, (name, shape) in enumerate(sorted(shapes.items(), key=lambda item: megatron.released_order(item[0]))):
+        for index, (name, shape) in enumerate(
+            sorted(shapes.items(), key=lambda item: megatron.released_order(item[0]))
+        ):
             count = math.prod(shape)
             # one file-backed storage per tensor, as torch.save writes one record per storage
             storage = torch.UntypedStorage.from_file(str(backing / str(index)), shared=True, nbytes=2 * count)
@@ -70,14 +71,26 @@ def main():
         shutil.rmtree(backing)
         built = time.perf_counter() - start
         size = pt.stat().st_size
-        command = [sys.executable, "-m", "samba_hf_cli", "convert", "megatron", str(folder), str(Path(tmp) / "out"),
-                   "--no-verify", "--dtype", "bfloat16"]
+        command = [
+            sys.executable,
+            "-m",
+            "samba_hf_cli",
+            "convert",
+            "megatron",
+            str(folder),
+            str(Path(tmp) / "out"),
+            "--no-verify",
+            "--dtype",
+            "bfloat16",
+        ]
         elapsed, peak_anon, peak_file = run_and_sample(command)
         written = sum(p.stat().st_size for p in (Path(tmp) / "out").glob("*.safetensors"))
-        print(f"{preset} ({pattern.count('M')} Mamba-2, {pattern.count('*')} attention, {pattern.count('-')} MLP "
-              f"blocks): {params:,} parameters, checkpoint {size / 1e9:.2f} GB bf16 (built in {built:.0f} s); convert "
-              f"took {elapsed:.0f} s and wrote {written / 1e9:.2f} GB of bf16 safetensors in 5 GB shards; peak RssAnon "
-              f"{peak_anon / 2**20:.2f} GiB, peak RssFile {peak_file / 2**20:.2f} GiB (memory-mapped, reclaimable)")
+        print(
+            f"{preset} ({pattern.count('M')} Mamba-2, {pattern.count('*')} attention, {pattern.count('-')} MLP "
+            f"blocks): {params:,} parameters, checkpoint {size / 1e9:.2f} GB bf16 (built in {built:.0f} s); convert "
+            f"took {elapsed:.0f} s and wrote {written / 1e9:.2f} GB of bf16 safetensors in 5 GB shards; peak RssAnon "
+            f"{peak_anon / 2**20:.2f} GiB, peak RssFile {peak_file / 2**20:.2f} GiB (memory-mapped, reclaimable)"
+        )
 
 
 if __name__ == "__main__":

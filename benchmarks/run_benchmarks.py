@@ -1,6 +1,7 @@
 """Samba against transformers' Llama (GQA), Mistral (SWA 2048) and Mamba of about the same size, in one run.
 
-    python benchmarks/run_benchmarks.py [--prefill 1024,2048,4096,8192,16384,32768] [--decode 1024,4096,16384,32768,65536]
+    python benchmarks/run_benchmarks.py [--prefill 1024,2048,4096,8192,16384,32768]
+                                        [--decode 1024,4096,16384,32768,65536]
                                         [--dtypes float32,bfloat16] [--repeats 3] [--out benchmarks/results]
 
 Measures, on this machine, batch 1 (CPU by default; --device cuda on a GPU), in each of `--dtypes` (default: float32,
@@ -38,13 +39,28 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, WINDOW = 768, 12, 12, 4, 
 def build(name: str, device: str, dtype: torch.dtype = torch.float32):
     """The four models, all about 100-115M parameters, random weights, in `dtype` (Samba's A_log and D float32, as
     `from_pretrained` keeps them)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MambaConfig,
+        MambaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
     import samba_hf
 
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
-                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                  tie_word_embeddings=True, max_position_embeddings=131072)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=MLP,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+    )
     torch.manual_seed(0)
     if name == "samba":
         model = samba_hf.SambaForCausalLM(samba_hf.SambaConfig(sliding_window=WINDOW, **common))
@@ -53,8 +69,17 @@ def build(name: str, device: str, dtype: torch.dtype = torch.float32):
     elif name == "mistral":
         model = MistralForCausalLM(MistralConfig(sliding_window=WINDOW, **common))
     elif name == "mamba":
-        model = MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=24, state_size=16,
-                                             expand=2, conv_kernel=4, tie_word_embeddings=True))
+        model = MambaForCausalLM(
+            MambaConfig(
+                vocab_size=VOCAB,
+                hidden_size=HIDDEN,
+                num_hidden_layers=24,
+                state_size=16,
+                expand=2,
+                conv_kernel=4,
+                tie_word_embeddings=True,
+            )
+        )
     else:
         raise ValueError(name)
     model.config._attn_implementation = "sdpa" if name != "mamba" else None
@@ -74,14 +99,17 @@ def synthetic_cache(model, name: str, context: int, device: str):
     cache = DynamicCache(config=config)
     generator = torch.Generator().manual_seed(0)
     for idx in range(config.num_hidden_layers):
-        kind = (config.layer_types[idx] if getattr(config, "layer_types", None) else "full_attention")
+        kind = config.layer_types[idx] if getattr(config, "layer_types", None) else "full_attention"
         if name == "mamba" or kind == "linear_attention":
             d_inner = config.intermediate_size if name == "mamba" else config.mamba_d_inner
             d_state = config.state_size if name == "mamba" else config.mamba_d_state
             d_conv = config.conv_kernel if name == "mamba" else config.mamba_d_conv
-            cache.update_conv_state(torch.randn(1, d_inner, d_conv, generator=generator).to(device, dtype), idx,
-                                    conv_kernel_size=d_conv)
-            state = torch.randn(1, d_inner, d_state, generator=generator)  # float32 in Samba, the model's dtype in Mamba
+            cache.update_conv_state(
+                torch.randn(1, d_inner, d_conv, generator=generator).to(device, dtype), idx, conv_kernel_size=d_conv
+            )
+            state = torch.randn(
+                1, d_inner, d_state, generator=generator
+            )  # float32 in Samba, the model's dtype in Mamba
             cache.update_recurrent_state(state.to(device, dtype if name == "mamba" else torch.float32), idx)
         else:
             # keep only what the layer would keep; fill in slices to avoid a huge temporary
@@ -118,8 +146,12 @@ def time_decode_interleaved(models: dict, contexts: list[int], device: str, step
                 if name == "mamba":
                     model(token, cache_params=cache, use_cache=True)
                 else:
-                    model(token, past_key_values=cache, use_cache=True,
-                          position_ids=torch.tensor([[context + step]], device=device))
+                    model(
+                        token,
+                        past_key_values=cache,
+                        use_cache=True,
+                        position_ids=torch.tensor([[context + step]], device=device),
+                    )
                 if device != "cpu":
                     torch.cuda.synchronize()
                 if step >= 2:
@@ -222,8 +254,17 @@ def default_model_speed(repeats: int, tokens: int = 200) -> dict:
     through `generate`, each in a fresh process, alternated `repeats` times; medians."""
     import re
 
-    cli = [sys.executable, "-c", "import sys; from samba_hf_cli import main; sys.exit(main())", "generate",
-           "The history of", "--max-new-tokens", str(tokens), "--dtype", "float32"]
+    cli = [
+        sys.executable,
+        "-c",
+        "import sys; from samba_hf_cli import main; sys.exit(main())",
+        "generate",
+        "The history of",
+        "--max-new-tokens",
+        str(tokens),
+        "--dtype",
+        "float32",
+    ]
     llama = [sys.executable, "-c", LLAMA_GENERATE.format(mlp=797, tokens=tokens)]  # 5,904,128 parameters, as Samba
     rates = {"samba-hf generate (embedded default)": [], "llama, same shape, generate": []}
     for _ in range(repeats):
@@ -247,12 +288,23 @@ def main():
     parser.add_argument("--prefill", default="1024,2048,4096,8192,16384,32768")
     parser.add_argument("--decode", default="1024,2048,4096,16384,32768,65536")
     parser.add_argument("--models", default="samba,llama,mistral,mamba")
-    parser.add_argument("--dtypes", default=None, help="comma-separated; default: float32, plus bfloat16 where this "
-                        "CPU computes it natively and faster (always on a GPU); empty: the embedded default only")
-    parser.add_argument("--bf16-prefill-max", type=int, default=None,
-                        help="longest prefill timed in bfloat16 (default: all of --prefill)")
-    parser.add_argument("--prefill-limits", default="",
-                        help="longest prefill per model, e.g. mistral=8192,mamba=8192 (default: every length)")
+    parser.add_argument(
+        "--dtypes",
+        default=None,
+        help="comma-separated; default: float32, plus bfloat16 where this "
+        "CPU computes it natively and faster (always on a GPU); empty: the embedded default only",
+    )
+    parser.add_argument(
+        "--bf16-prefill-max",
+        type=int,
+        default=None,
+        help="longest prefill timed in bfloat16 (default: all of --prefill)",
+    )
+    parser.add_argument(
+        "--prefill-limits",
+        default="",
+        help="longest prefill per model, e.g. mistral=8192,mamba=8192 (default: every length)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per prefill length up to 8K")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per (model, context)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-process peak-memory measurements")
@@ -281,7 +333,9 @@ def main():
     try:
         limits = {k: int(v) for k, v in (item.split("=") for item in args.prefill_limits.split(",") if item)}
     except ValueError:
-        parser.error(f"--prefill-limits {args.prefill_limits!r}: give MODEL=TOKENS pairs, e.g. mistral=8192,mamba=8192")
+        parser.error(
+            f"--prefill-limits {args.prefill_limits!r}: give MODEL=TOKENS pairs, e.g. mistral=8192,mamba=8192"
+        )
     if unknown := [n for n in names + list(limits) if n not in ("samba", "llama", "mistral", "mamba")]:
         parser.error(f"unknown model {unknown[0]!r}: the models are samba, llama, mistral and mamba")
     known_dtypes = ("", "float32", "bfloat16", "float16")
@@ -289,24 +343,37 @@ def main():
         parser.error(f"--dtypes: {', '.join(unknown)} is not float32, bfloat16 or float16")
     # --dtypes "" measures no model (only the embedded default's tokens/s)
     dtypes = [d for d in args.dtypes.split(",") if d] if args.dtypes is not None else default_dtypes(args.device)
-    results = {"machine": {"threads": torch.get_num_threads(), "device": args.device, "torch": torch.__version__},
-               "command": shlex.join(["python", "benchmarks/run_benchmarks.py", *sys.argv[1:]]), "runs": {}}
+    results = {
+        "machine": {"threads": torch.get_num_threads(), "device": args.device, "torch": torch.__version__},
+        "command": shlex.join(["python", "benchmarks/run_benchmarks.py", *sys.argv[1:]]),
+        "runs": {},
+    }
     copy_bandwidth, bandwidth = measure_bandwidth_gbs(args.device)
     results["machine"]["copy_bandwidth_gbs"] = copy_bandwidth
     results["machine"]["read_bandwidth_gbs"] = bandwidth
-    print(f"bandwidth: copy {copy_bandwidth:.1f} GB/s (read+write), read {bandwidth:.1f} GB/s; "
-          f"threads {torch.get_num_threads()}; dtypes {dtypes}", flush=True)
+    print(
+        f"bandwidth: copy {copy_bandwidth:.1f} GB/s (read+write), read {bandwidth:.1f} GB/s; "
+        f"threads {torch.get_num_threads()}; dtypes {dtypes}",
+        flush=True,
+    )
 
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         models = {name: build(name, args.device, dtype) for name in names}
         run = {}
         for name, model in models.items():
-            run[name] = {"parameters": sum(p.numel() for p in model.parameters()), "prefill_s": {},
-                         "decode_tokens_per_s": {}, "peak_rss_mib": {},
-                         "decode_floor_ms": decode_bytes_per_token(model) / (bandwidth * 1e9) * 1e3}
-            print(f"\n{dtype_name} {name}: {run[name]['parameters'] / 1e6:.1f}M parameters, decode floor "
-                  f"{run[name]['decode_floor_ms']:.1f} ms/token", flush=True)
+            run[name] = {
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "prefill_s": {},
+                "decode_tokens_per_s": {},
+                "peak_rss_mib": {},
+                "decode_floor_ms": decode_bytes_per_token(model) / (bandwidth * 1e9) * 1e3,
+            }
+            print(
+                f"\n{dtype_name} {name}: {run[name]['parameters'] / 1e6:.1f}M parameters, decode floor "
+                f"{run[name]['decode_floor_ms']:.1f} ms/token",
+                flush=True,
+            )
             time_prefill(model, 256, args.device)  # warm-up
         lengths = prefill_lengths
         if dtype == torch.bfloat16 and args.bf16_prefill_max is not None:
@@ -315,14 +382,29 @@ def main():
             run[name]["prefill_s"] = times
         for name, rates in time_decode_interleaved(models, decode_contexts, args.device, args.steps).items():
             run[name]["decode_tokens_per_s"] = rates
-            print(f"  decode {dtype_name} {name}: " + ", ".join(f"{c}: {r:.2f}/s" for c, r in rates.items()), flush=True)
+            print(
+                f"  decode {dtype_name} {name}: " + ", ".join(f"{c}: {r:.2f}/s" for c, r in rates.items()), flush=True
+            )
         del models
         gc.collect()
         for name in [] if args.no_memory else names:
             for context in decode_contexts:
-                out = subprocess.run([sys.executable, __file__, "--child-model", name, "--child-context", str(context),
-                                      "--child-dtype", dtype_name, "--device", args.device],
-                                     capture_output=True, text=True)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child-model",
+                        name,
+                        "--child-context",
+                        str(context),
+                        "--child-dtype",
+                        dtype_name,
+                        "--device",
+                        args.device,
+                    ],
+                    capture_output=True,
+                    text=True,
+                )
                 if out.returncode != 0:
                     print(f"  memory {name} {context}: failed\n{out.stderr[-2000:]}", flush=True)
                     continue
@@ -369,31 +451,57 @@ def evaluate_targets(results) -> list[str]:
         return None if a is None or b is None else a / b
 
     for dtype, models in results["runs"].items():
+
         def get(name, key, length):
             return models.get(name, {}).get(key, {}).get(length)
 
         def prefill_speedup(length):  # Llama's time / Samba's
             return ratio(get("llama", "prefill_s", length), get("samba", "prefill_s", length))
 
-        check(f"[{dtype}] prefill at 1K, Samba time / Llama time", ratio(get("samba", "prefill_s", 1024),
-                                                                        get("llama", "prefill_s", 1024)), 1.15, False)
+        check(
+            f"[{dtype}] prefill at 1K, Samba time / Llama time",
+            ratio(get("samba", "prefill_s", 1024), get("llama", "prefill_s", 1024)),
+            1.15,
+            False,
+        )
         for length in (4096, 8192, 16384):
             check(f"[{dtype}] prefill at {length // 1024}K, Llama time / Samba time", prefill_speedup(length), 1.0)
         check(f"[{dtype}] prefill at 32K, Llama time / Samba time", prefill_speedup(32768), 3.0)
-        check(f"[{dtype}] prefill at 32K, Mamba time / Samba time", ratio(get("mamba", "prefill_s", 32768),
-                                                                          get("samba", "prefill_s", 32768)), 5.0)
-        check(f"[{dtype}] prefill t(32K) / t(2K) (linear)", ratio(get("samba", "prefill_s", 32768),
-                                                                  get("samba", "prefill_s", 2048)), 18.0, False)
+        check(
+            f"[{dtype}] prefill at 32K, Mamba time / Samba time",
+            ratio(get("mamba", "prefill_s", 32768), get("samba", "prefill_s", 32768)),
+            5.0,
+        )
+        check(
+            f"[{dtype}] prefill t(32K) / t(2K) (linear)",
+            ratio(get("samba", "prefill_s", 32768), get("samba", "prefill_s", 2048)),
+            18.0,
+            False,
+        )
         floor = models.get("samba", {}).get("decode_floor_ms")
         rate = get("samba", "decode_tokens_per_s", 1024)
-        check(f"[{dtype}] decode step at 1K / bandwidth floor", None if rate is None or floor is None
-              else (1e3 / rate) / floor, 1.5, False)
-        check(f"[{dtype}] decode at 16K, Samba / Llama", ratio(get("samba", "decode_tokens_per_s", 16384),
-                                                               get("llama", "decode_tokens_per_s", 16384)), 3.0)
-        check(f"[{dtype}] decode tokens/s at 32K / at 1K (flat)", ratio(get("samba", "decode_tokens_per_s", 32768),
-                                                                        get("samba", "decode_tokens_per_s", 1024)), 0.95)
-        check(f"[{dtype}] peak RSS decoding at 64K / at 2K", ratio(get("samba", "peak_rss_mib", 65536),
-                                                                   get("samba", "peak_rss_mib", 2048)), 1.05, False)
+        check(
+            f"[{dtype}] decode step at 1K / bandwidth floor",
+            None if rate is None or floor is None else (1e3 / rate) / floor,
+            1.5,
+            False,
+        )
+        check(
+            f"[{dtype}] decode at 16K, Samba / Llama",
+            ratio(get("samba", "decode_tokens_per_s", 16384), get("llama", "decode_tokens_per_s", 16384)),
+            3.0,
+        )
+        check(
+            f"[{dtype}] decode tokens/s at 32K / at 1K (flat)",
+            ratio(get("samba", "decode_tokens_per_s", 32768), get("samba", "decode_tokens_per_s", 1024)),
+            0.95,
+        )
+        check(
+            f"[{dtype}] peak RSS decoding at 64K / at 2K",
+            ratio(get("samba", "peak_rss_mib", 65536), get("samba", "peak_rss_mib", 2048)),
+            1.05,
+            False,
+        )
     default = results.get("default_model_tokens_per_s", {}).get("samba-hf generate (embedded default)")
     check("embedded default through samba-hf generate, tokens/s", default, 400)
     return lines
@@ -409,9 +517,11 @@ def plot(results, out_dir):
         print("matplotlib not installed: no plots (pip install matplotlib)")
         return
     for dtype, models in results["runs"].items():
-        for key, ylabel, filename in (("prefill_s", "prefill time (s)", "prefill"),
-                                      ("decode_tokens_per_s", "decode tokens/s", "decode"),
-                                      ("peak_rss_mib", "peak resident memory (MiB)", "memory")):
+        for key, ylabel, filename in (
+            ("prefill_s", "prefill time (s)", "prefill"),
+            ("decode_tokens_per_s", "decode tokens/s", "decode"),
+            ("peak_rss_mib", "peak resident memory (MiB)", "memory"),
+        ):
             fig, ax = plt.subplots(figsize=(6, 4))
             for name, entry in models.items():
                 points = sorted((int(k), v) for k, v in entry[key].items())

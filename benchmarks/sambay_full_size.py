@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from run_benchmarks import peak_rss_mib  # this folder is on sys.path when the script runs
 
 HERE = Path(__file__).resolve().parent
@@ -52,10 +51,17 @@ def configs(release_config: Path) -> dict:
     from samba_hf import SambaYConfig
 
     sambay = SambaYConfig.from_dict(json.loads(release_config.read_text()))
-    llama = LlamaConfig(vocab_size=sambay.vocab_size, hidden_size=sambay.hidden_size, intermediate_size=LLAMA_MLP,
-                        num_hidden_layers=sambay.num_hidden_layers, num_attention_heads=sambay.num_attention_heads,
-                        num_key_value_heads=sambay.num_key_value_heads, head_dim=sambay.head_dim,
-                        tie_word_embeddings=True, max_position_embeddings=262144)
+    llama = LlamaConfig(
+        vocab_size=sambay.vocab_size,
+        hidden_size=sambay.hidden_size,
+        intermediate_size=LLAMA_MLP,
+        num_hidden_layers=sambay.num_hidden_layers,
+        num_attention_heads=sambay.num_attention_heads,
+        num_key_value_heads=sambay.num_key_value_heads,
+        head_dim=sambay.head_dim,
+        tie_word_embeddings=True,
+        max_position_embeddings=262144,
+    )
     return {"sambay": sambay, "llama": llama}
 
 
@@ -94,8 +100,11 @@ def synthetic_cache(model, name: str, context: int):
     kinds = config.block_types if name == "sambay" else ["full_attention"] * config.num_hidden_layers
     for idx, kind in enumerate(kinds):
         if kind in ("mamba", "memory"):
-            cache.update_conv_state(torch.randn(1, config.mamba_d_inner, config.mamba_d_conv, dtype=dtype), idx,
-                                    conv_kernel_size=config.mamba_d_conv)
+            cache.update_conv_state(
+                torch.randn(1, config.mamba_d_inner, config.mamba_d_conv, dtype=dtype),
+                idx,
+                conv_kernel_size=config.mamba_d_conv,
+            )
             cache.update_recurrent_state(torch.randn(1, config.mamba_d_inner, config.mamba_d_state), idx)
         elif kind in ("sliding_attention", "full_attention"):
             kept = min(context, config.sliding_window - 1) if kind == "sliding_attention" else context
@@ -125,8 +134,13 @@ def time_decode(model, name: str, context: int, steps: int) -> tuple[float, int]
     with torch.inference_mode():
         for step in range(steps + 2):
             start = time.perf_counter()
-            model(token, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                  position_ids=torch.tensor([[context + step]]))
+            model(
+                token,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                position_ids=torch.tensor([[context + step]]),
+            )
             times.append(time.perf_counter() - start)
     times = sorted(times[2:])
     return 1.0 / times[len(times) // 2], size
@@ -142,10 +156,9 @@ def time_prefill(model, length: int, keep) -> float:
 
 def worker(args) -> dict:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
     import samba_hf  # noqa: F401  (registers phi4flash)
-
-    from transformers.utils import logging
 
     logging.disable_progress_bar()
     name = args.worker
@@ -170,8 +183,11 @@ def worker(args) -> dict:
         result["load_and_read_s"] = time.perf_counter() - start
         result["peak_gib_after_load"] = peak_rss_mib() / 1024
         model.config._attn_implementation = "sdpa"
-        print(f"[{name}] {result['parameters']:,} parameters, loaded in {result['load_s']:.1f} s, read in "
-              f"{result['load_and_read_s']:.1f} s", file=sys.stderr)
+        print(
+            f"[{name}] {result['parameters']:,} parameters, loaded in {result['load_s']:.1f} s, read in "
+            f"{result['load_and_read_s']:.1f} s",
+            file=sys.stderr,
+        )
         decode(model, name, args, result)
         if args.prefill_dtype != "bfloat16":  # a fresh copy in that dtype (no bf16 file mapping left beside it)
             del model
@@ -217,29 +233,57 @@ def prefill(model, name, args, result):
 
 def table(results: dict) -> str:
     sambay, llama = results["models"]["sambay"], results["models"]["llama"]
-    rows = [("parameters", f"{sambay['parameters']:,}", f"{llama['parameters']:,}", ""),
-            ("load (bf16): `from_pretrained`, then every weight read once",
-             f"{sambay['load_s']:.1f} s, {sambay['load_and_read_s']:.1f} s",
-             f"{llama['load_s']:.1f} s, {llama['load_and_read_s']:.1f} s",
-             f"{llama['load_and_read_s'] / sambay['load_and_read_s']:.2f}x"),
-            ("peak memory after load", f"{sambay['peak_gib_after_load']:.2f} GiB", f"{llama['peak_gib_after_load']:.2f} GiB", "")]
+    rows = [
+        ("parameters", f"{sambay['parameters']:,}", f"{llama['parameters']:,}", ""),
+        (
+            "load (bf16): `from_pretrained`, then every weight read once",
+            f"{sambay['load_s']:.1f} s, {sambay['load_and_read_s']:.1f} s",
+            f"{llama['load_s']:.1f} s, {llama['load_and_read_s']:.1f} s",
+            f"{llama['load_and_read_s'] / sambay['load_and_read_s']:.2f}x",
+        ),
+        (
+            "peak memory after load",
+            f"{sambay['peak_gib_after_load']:.2f} GiB",
+            f"{llama['peak_gib_after_load']:.2f} GiB",
+            "",
+        ),
+    ]
     dtype = sambay["prefill_dtype"]
     for length in sambay["prefill_s"]:
-        s, l = sambay["prefill_s"][length], llama["prefill_s"][length]
-        rows.append((f"prefill {int(length) // 1024}K ({dtype})", f"{s:.1f} s", f"{l:.1f} s", f"{l / s:.2f}x"))
+        s, llama_s = sambay["prefill_s"][length], llama["prefill_s"][length]
+        rows.append(
+            (f"prefill {int(length) // 1024}K ({dtype})", f"{s:.1f} s", f"{llama_s:.1f} s", f"{llama_s / s:.2f}x")
+        )
         if length in sambay.get("prefill_s_whole_cross_decoder", {}):
             whole = sambay["prefill_s_whole_cross_decoder"][length]
-            rows.append((f"prefill {int(length) // 1024}K, SambaY's cross-decoder on every position (as released)",
-                         f"{whole:.1f} s", "", f"YOCO saving: {whole / s:.2f}x"))
+            rows.append(
+                (
+                    f"prefill {int(length) // 1024}K, SambaY's cross-decoder on every position (as released)",
+                    f"{whole:.1f} s",
+                    "",
+                    f"YOCO saving: {whole / s:.2f}x",
+                )
+            )
     for context in sambay["decode_tokens_per_s"]:
-        s, l = sambay["decode_tokens_per_s"][context], llama["decode_tokens_per_s"][context]
-        rows.append((f"decode at {int(context) // 1024}K context (bf16), peak memory",
-                     f"{s:.2f} tokens/s, {sambay['peak_gib_decode'][context]:.1f} GiB",
-                     f"{l:.2f} tokens/s, {llama['peak_gib_decode'][context]:.1f} GiB", f"{s / l:.2f}x"))
+        s, llama_rate = sambay["decode_tokens_per_s"][context], llama["decode_tokens_per_s"][context]
+        rows.append(
+            (
+                f"decode at {int(context) // 1024}K context (bf16), peak memory",
+                f"{s:.2f} tokens/s, {sambay['peak_gib_decode'][context]:.1f} GiB",
+                f"{llama_rate:.2f} tokens/s, {llama['peak_gib_decode'][context]:.1f} GiB",
+                f"{s / llama_rate:.2f}x",
+            )
+        )
     for context in sambay["cache_bytes"]:
-        s, l = sambay["cache_bytes"][context], llama["cache_bytes"][context]
-        rows.append((f"cache at {int(context) // 1024}K context (bf16)", f"{s / 2**20:.0f} MiB", f"{l / 2**20:.0f} MiB",
-                     f"{l / s:.1f}x"))
+        s, llama_bytes = sambay["cache_bytes"][context], llama["cache_bytes"][context]
+        rows.append(
+            (
+                f"cache at {int(context) // 1024}K context (bf16)",
+                f"{s / 2**20:.0f} MiB",
+                f"{llama_bytes / 2**20:.0f} MiB",
+                f"{llama_bytes / s:.1f}x",
+            )
+        )
     lines = ["| | SambaY | Llama | SambaY's speed / Llama's (cache: Llama's size / SambaY's) |", "|---|---|---|---|"]
     return "\n".join(lines + [f"| {' | '.join(row)} |" for row in rows])
 
@@ -248,8 +292,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--release-config", default=str(RELEASE_CONFIG))
     parser.add_argument("--prefill", default="1024,8192")
-    parser.add_argument("--whole-cross-decoder-at", default="1024",
-                        help="prefill lengths also timed with SambaY's cross-decoder on every position")
+    parser.add_argument(
+        "--whole-cross-decoder-at",
+        default="1024",
+        help="prefill lengths also timed with SambaY's cross-decoder on every position",
+    )
     parser.add_argument("--decode", default="1024,32768")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--prefill-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
@@ -264,8 +311,10 @@ def main():
     if unknown:
         parser.error(f"--models {args.models}: {unknown[0]!r} is not one of sambay, llama")
     if not os.path.isfile(args.release_config):
-        parser.error(f"--release-config {args.release_config}: no such file (the released config.json of "
-                     "microsoft/Phi-4-mini-flash-reasoning)")
+        parser.error(
+            f"--release-config {args.release_config}: no such file (the released config.json of "
+            "microsoft/Phi-4-mini-flash-reasoning)"
+        )
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     for field in ("prefill", "decode", "whole_cross_decoder_at"):
@@ -284,16 +333,39 @@ def main():
 
         dtype, why = auto_dtype(torch.device("cpu"))
         args.prefill_dtype = str(dtype).removeprefix("torch.")
-    results = {"command": " ".join(["python", "benchmarks/sambay_full_size.py"] + sys.argv[1:]),
-               "machine": {"threads": torch.get_num_threads(), "torch": torch.__version__,
-                           "matmul_gflops": speed, "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d")},
-               "prefill_dtype": args.prefill_dtype, "prefill_dtype_why": why, "models": {}}
+    results = {
+        "command": " ".join(["python", "benchmarks/sambay_full_size.py"] + sys.argv[1:]),
+        "machine": {
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "matmul_gflops": speed,
+            "cpu": cpu_name(),
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "prefill_dtype": args.prefill_dtype,
+        "prefill_dtype_why": why,
+        "models": {},
+    }
     print(f"matmul GFLOP/s: {speed}; prefill in {args.prefill_dtype} ({why})", file=sys.stderr)
     for name in args.models.split(","):
-        command = [sys.executable, __file__, "--worker", name, "--release-config", args.release_config,
-                   "--prefill", ",".join(map(str, args.prefill)), "--decode", ",".join(map(str, args.decode)),
-                   "--whole-cross-decoder-at", ",".join(map(str, args.whole_cross_decoder_at)),
-                   "--steps", str(args.steps), "--prefill-dtype", args.prefill_dtype]
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            name,
+            "--release-config",
+            args.release_config,
+            "--prefill",
+            ",".join(map(str, args.prefill)),
+            "--decode",
+            ",".join(map(str, args.decode)),
+            "--whole-cross-decoder-at",
+            ",".join(map(str, args.whole_cross_decoder_at)),
+            "--steps",
+            str(args.steps),
+            "--prefill-dtype",
+            args.prefill_dtype,
+        ]
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
         results["models"][name] = json.loads(done.stdout.strip().splitlines()[-1])
     os.makedirs(args.out, exist_ok=True)

@@ -40,8 +40,11 @@ def main():
         dt = F.softplus(torch.randn(1, length, d) - 3)
         ref = per_token_loop(u.double(), dt.double(), A.double(), B.double(), C.double()) if length <= 2048 else None
         line = [f"L={length}:"]
-        for name, scan in (("compiled", selective_scan_cpu), ("pytorch", selective_scan_pytorch),
-                           ("per-token loop", lambda *x: (per_token_loop(*x), None))):
+        for name, scan in (
+            ("compiled", selective_scan_cpu),
+            ("pytorch", selective_scan_pytorch),
+            ("per-token loop", lambda *x: (per_token_loop(*x), None)),
+        ):
             with torch.inference_mode():
                 start = time.perf_counter()
                 y, _ = scan(u, dt, A, B, C)

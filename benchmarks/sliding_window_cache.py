@@ -48,8 +48,11 @@ def main():
     args = parser.parse_args()
     model = build("samba", "cpu")
     contexts = [int(c) for c in args.contexts.split(",")]
-    runs = {(layer, c): cache_for(model, c, layer == "in place") for layer in ("transformers", "in place")
-            for c in contexts}
+    runs = {
+        (layer, c): cache_for(model, c, layer == "in place")
+        for layer in ("transformers", "in place")
+        for c in contexts
+    }
     kinds = {key: type(cache.layers[1]).__name__ for key, cache in runs.items()}
     token = torch.tensor([[7]])
     times = {key: [] for key in runs}
@@ -60,11 +63,18 @@ def main():
                 model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 if step >= 2:
                     times[key].append(time.perf_counter() - start)
-    table = {f"{layer}, {c} tokens": {"step_ms": 1000 * statistics.median(times[(layer, c)]),
-                                       "layer": kinds[(layer, c)]} for layer, c in runs}
-    report = {"command": " ".join(["python", "benchmarks/sliding_window_cache.py", *sys.argv[1:]]),
-              "machine": machine(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-              "steps": args.steps, "results": table}
+    table = {
+        f"{layer}, {c} tokens": {"step_ms": 1000 * statistics.median(times[(layer, c)]), "layer": kinds[(layer, c)]}
+        for layer, c in runs
+    }
+    report = {
+        "command": " ".join(["python", "benchmarks/sliding_window_cache.py", *sys.argv[1:]]),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "results": table,
+    }
     print(json.dumps(report, indent=1))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

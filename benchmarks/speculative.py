@@ -38,8 +38,10 @@ def tasks(tokenizer) -> dict[str, torch.Tensor]:
     prose = (ROOT / "docs" / "generation.md").read_text().split("## The cache", 1)[1]
     texts = {
         "code": lambda n: code[:n] + "\n\n\n# The same code, formatted again:\n\n" + code[:60],
-        "quote": lambda n: prose[:n] + "\n\nQuestion: what does the cache hold per Mamba layer?\nAnswer, quoting "
-                                       "the text: \"" + prose[:40].strip(),
+        "quote": lambda n: (
+            prose[:n] + "\n\nQuestion: what does the cache hold per Mamba layer?\nAnswer, quoting "
+            'the text: "' + prose[:40].strip()
+        ),
     }
     prompts = {}
     for name, text in texts.items():
@@ -80,8 +82,9 @@ def generate_part(args, tokenizer, model_path) -> dict:
         entry = {"prompt_tokens": ids.shape[1]}
         for dtype in ("float32", "bfloat16"):
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
-            options = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                           eos_token_id=None)
+            options = dict(
+                max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None
+            )
             times, outputs = {"plain": [], "prompt_lookup": []}, {}
             with torch.no_grad():
                 model.generate(ids[:, :20], max_new_tokens=5, do_sample=False)  # warm-up (the C kernels load)
@@ -92,15 +95,19 @@ def generate_part(args, tokenizer, model_path) -> dict:
                         start = time.perf_counter()
                         outputs[mode] = model.generate(ids, **options, **extra)
                         times[mode].append(time.perf_counter() - start)
-            plain, speculative = outputs["plain"][0, ids.shape[1]:], outputs["prompt_lookup"][0, ids.shape[1]:]
+            plain, speculative = outputs["plain"][0, ids.shape[1] :], outputs["prompt_lookup"][0, ids.shape[1] :]
             agree = int((plain == speculative).long().cumprod(0).sum())
             drafted, accepted = sum(d for d, _ in rounds), sum(n for _, n in rounds)
             entry[dtype] = {
                 "plain_tokens_per_s": args.new_tokens / statistics.median(times["plain"]),
                 "prompt_lookup_tokens_per_s": args.new_tokens / statistics.median(times["prompt_lookup"]),
-                "rounds": len(rounds), "drafted": drafted, "accepted": accepted,
-                "acceptance": accepted / max(drafted, 1), "tokens_per_round": args.new_tokens / max(len(rounds), 1),
-                "identical": bool(torch.equal(plain, speculative)), "agreeing_tokens": agree,
+                "rounds": len(rounds),
+                "drafted": drafted,
+                "accepted": accepted,
+                "acceptance": accepted / max(drafted, 1),
+                "tokens_per_round": args.new_tokens / max(len(rounds), 1),
+                "identical": bool(torch.equal(plain, speculative)),
+                "agreeing_tokens": agree,
                 "round_trace": [tuple(r) for r in rounds],
             }
             entry[dtype]["speed_up"] = entry[dtype]["prompt_lookup_tokens_per_s"] / entry[dtype]["plain_tokens_per_s"]
@@ -142,14 +149,18 @@ def replay(model, prompt: torch.Tensor, trace: list, new_tokens: int) -> tuple[f
 def replay_part(args, trace, prompt_length: int, models: dict) -> dict:
     results = {}
     for name, model in models.items():
-        prompt = torch.randint(4, model.config.vocab_size, (1, prompt_length), generator=torch.Generator().manual_seed(1))
+        prompt = torch.randint(
+            4, model.config.vocab_size, (1, prompt_length), generator=torch.Generator().manual_seed(1)
+        )
         replay(model, prompt[:, :32], trace[:3], 8)  # warm-up
         runs = [replay(model, prompt, trace, args.new_tokens) for _ in range(args.repeats)]
         plain, speculative = (statistics.median(r[i] for r in runs) for i in (0, 1))
-        results[name] = {"plain_tokens_per_s": args.new_tokens / plain,
-                         "prompt_lookup_tokens_per_s": args.new_tokens / speculative,
-                         "speed_up": plain / speculative,
-                         "parameters": sum(p.numel() for p in model.parameters())}
+        results[name] = {
+            "plain_tokens_per_s": args.new_tokens / plain,
+            "prompt_lookup_tokens_per_s": args.new_tokens / speculative,
+            "speed_up": plain / speculative,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
     return results
 
 
@@ -158,10 +169,18 @@ def default_size_models(model_path):
 
     c = AutoConfig.from_pretrained(model_path)
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=797, num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        tie_word_embeddings=True)).eval()
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=797,
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            tie_word_embeddings=True,
+        )
+    ).eval()
     samba = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     return {"samba": samba, "llama": llama}
 
@@ -183,12 +202,25 @@ def main():
 
     model_path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    result = {"machine": machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
+    result = {
+        "machine": machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "command": " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%d"),
+        "args": vars(args),
+    }
     if "generate" in parts:
         result["generate"] = generate_part(args, tokenizer, model_path)
-        print(json.dumps({k: {d: {m: v for m, v in e[d].items() if m != "round_trace"} for d in ("float32", "bfloat16")}
-                          for k, e in result["generate"].items()}, indent=1))
+        print(
+            json.dumps(
+                {
+                    k: {d: {m: v for m, v in e[d].items() if m != "round_trace"} for d in ("float32", "bfloat16")}
+                    for k, e in result["generate"].items()
+                },
+                indent=1,
+            )
+        )
     traces = {task: entry["float32"]["round_trace"] for task, entry in result.get("generate", {}).items()}
     if not traces:  # without part 1: half of every 10-token draft accepted
         traces = {"half accepted": [[args.draft, args.draft // 2]] * (args.new_tokens // (args.draft // 2 + 1) + 1)}

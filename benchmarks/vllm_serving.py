@@ -63,8 +63,15 @@ def free_port() -> int:
 
 
 def stream_one(url: str, model: str, prompt: list[int], new_tokens: int, result: dict):
-    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     start = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as response:
@@ -83,10 +90,25 @@ def serve_and_measure(folder: str, batch: list[list[int]], new_tokens: int, eage
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", str(len(batch)),
-         *(["--enforce-eager"] if eager else [])],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            folder,
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            str(len(batch)),
+            *(["--enforce-eager"] if eager else []),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
     )
     url = f"http://127.0.0.1:{port}/v1/completions"
     try:
@@ -100,8 +122,9 @@ def serve_and_measure(folder: str, batch: list[list[int]], new_tokens: int, eage
                 time.sleep(1)
         stream_one(url, folder, [5] * 16, 4, {})  # warm-up, on a prompt that shares no block with the batch
         results = [{} for _ in batch]
-        threads = [threading.Thread(target=stream_one, args=(url, folder, p, new_tokens, r))
-                   for p, r in zip(batch, results)]
+        threads = [
+            threading.Thread(target=stream_one, args=(url, folder, p, new_tokens, r)) for p, r in zip(batch, results)
+        ]
         start = time.perf_counter()
         for t in threads:
             t.start()
@@ -112,8 +135,11 @@ def serve_and_measure(folder: str, batch: list[list[int]], new_tokens: int, eage
         server.terminate()
         server.wait(timeout=120)
     ttft = [r["ttft"] for r in results]
-    return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "ttft_median_s": statistics.median(ttft),
-            "ttft_max_s": max(ttft)}
+    return {
+        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "ttft_median_s": statistics.median(ttft),
+        "ttft_max_s": max(ttft),
+    }
 
 
 # ---------------------------------------------------------------- in samba-hf's environment
@@ -136,8 +162,11 @@ def samba_hf_generate(batch: list[list[int]], new_tokens: int) -> dict:
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **options)
         wall = time.perf_counter() - start
-    return {"tokens_per_s": (out.shape[1] - ids.shape[1]) * len(batch) / wall, "ttft_median_s": ttft,
-            "ttft_max_s": ttft}
+    return {
+        "tokens_per_s": (out.shape[1] - ids.shape[1]) * len(batch) / wall,
+        "ttft_median_s": ttft,
+        "ttft_max_s": ttft,
+    }
 
 
 def llama_folder(folder: Path) -> Path:
@@ -149,12 +178,19 @@ def llama_folder(folder: Path) -> Path:
 
     torch.manual_seed(0)
     c = AutoConfig.from_pretrained(default_model_path())
-    llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=LLAMA_MLP,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    ))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=LLAMA_MLP,
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+        )
+    )
     llama.save_pretrained(folder)
     AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(folder)
     return folder
@@ -178,8 +214,10 @@ def main():
     if not args.vllm_python:
         parser.error("--vllm-python is required (the environment where samba-hf-vllm is installed)")
     if not (os.path.isfile(args.vllm_python) and os.access(args.vllm_python, os.X_OK)):
-        parser.error(f"--vllm-python {args.vllm_python}: no such program; give the plugin environment's python, "
-                     "e.g. .venv-vllm/bin/python")
+        parser.error(
+            f"--vllm-python {args.vllm_python}: no such program; give the plugin environment's python, "
+            "e.g. .venv-vllm/bin/python"
+        )
     for name in ("requests", "prompt_len", "new_tokens", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -193,26 +231,48 @@ def main():
     try:
         llama = str(llama_folder(work / "llama"))
         # (folder, eager): vLLM compiles the Llama on CPU by default; the plugin's classes always run eagerly
-        servers = {"vllm: samba (plugin)": (default_model_path(), False), "vllm: llama, same size": (llama, False),
-                   "vllm: llama, same size, --enforce-eager": (llama, True)}
+        servers = {
+            "vllm: samba (plugin)": (default_model_path(), False),
+            "vllm: llama, same size": (llama, False),
+            "vllm: llama, same size, --enforce-eager": (llama, True),
+        }
         runs = {name: [] for name in ["samba-hf generate (batched)", *servers]}
         for _ in range(args.rounds):
             runs["samba-hf generate (batched)"].append(samba_hf_generate(batch, args.new_tokens))
             for name, (folder, eager) in servers.items():
-                child = [args.vllm_python, __file__, "--serve", folder, "--requests", str(args.requests),
-                         "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-                         *(["--eager"] if eager else [])]
+                child = [
+                    args.vllm_python,
+                    __file__,
+                    "--serve",
+                    folder,
+                    "--requests",
+                    str(args.requests),
+                    "--prompt-len",
+                    str(args.prompt_len),
+                    "--new-tokens",
+                    str(args.new_tokens),
+                    *(["--eager"] if eager else []),
+                ]
                 out = subprocess.run(child, capture_output=True, text=True, check=True)
                 runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
     finally:
         shutil.rmtree(work)
-    table = {name: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]} for name, rounds in runs.items()}
+    table = {
+        name: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]} for name, rounds in runs.items()
+    }
     report = {
         "command": " ".join(["python", "benchmarks/vllm_serving.py", *sys.argv[1:]]),
-        "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-        "settings": {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                     "rounds": args.rounds, "dtype": "float32"},
-        "results": table, "rounds": runs,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "settings": {
+            "requests": args.requests,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "rounds": args.rounds,
+            "dtype": "float32",
+        },
+        "results": table,
+        "rounds": runs,
     }
     print(json.dumps(report, indent=1))
     if args.out:

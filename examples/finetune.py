@@ -26,9 +26,9 @@ import argparse
 import json
 import os
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 from transformers.distributed import DistributedConfig
 
@@ -72,15 +72,28 @@ def main():
     # the dtypes the first Mamba mixer computes with (with --bf16: A_log and D float32, the projections bf16)
     mixer = next(layer.mamba for layer in model.model.layers if hasattr(layer, "mamba"))
     seen = {}
-    mixer.in_proj.register_forward_pre_hook(lambda module, inputs: seen.update(
-        {name: str(getattr(mixer, name).dtype) for name in ("A_log", "D")}, in_proj=str(module.weight.dtype)))
+    mixer.in_proj.register_forward_pre_hook(
+        lambda module, inputs: seen.update(
+            {name: str(getattr(mixer, name).dtype) for name in ("A_log", "D")}, in_proj=str(module.weight.dtype)
+        )
+    )
     text = "\n\n".join(topics[k] for k in sorted(topics))
     data = Blocks(tokenizer(text, add_special_tokens=False).input_ids, args.block, args.global_batch * args.steps)
 
-    training = TrainingArguments(output_dir=args.out, max_steps=args.steps, learning_rate=args.lr,
-                                 per_device_train_batch_size=args.per_device_batch, logging_steps=1,
-                                 save_strategy="no", report_to=[], seed=0, data_seed=0, optim="sgd",
-                                 lr_scheduler_type="constant", use_cpu=not torch.cuda.is_available())
+    training = TrainingArguments(
+        output_dir=args.out,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        per_device_train_batch_size=args.per_device_batch,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        use_cpu=not torch.cuda.is_available(),
+    )
     world = training.world_size
     if args.global_batch % (args.per_device_batch * world):
         raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of {args.per_device_batch} x {world}")
@@ -89,8 +102,9 @@ def main():
     trainer.train()
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        Path(args.out, "losses.json").write_text(json.dumps({"world_size": world, "losses": losses,
-                                                             "fsdp": args.fsdp, "mamba_dtypes": seen}) + "\n")
+        Path(args.out, "losses.json").write_text(
+            json.dumps({"world_size": world, "losses": losses, "fsdp": args.fsdp, "mamba_dtypes": seen}) + "\n"
+        )
     trainer.save_model(args.out)  # on every process: a sharded model is gathered to be saved (rank 0 writes)
 
 

@@ -23,8 +23,10 @@ from samba_hf.training import lora_config
 
 
 def blocks(ids: list[int], length: int) -> list[dict]:
-    return [{"input_ids": torch.tensor(ids[i : i + length]), "labels": torch.tensor(ids[i : i + length])}
-            for i in range(0, len(ids) - length + 1, length)]
+    return [
+        {"input_ids": torch.tensor(ids[i : i + length]), "labels": torch.tensor(ids[i : i + length])}
+        for i in range(0, len(ids) - length + 1, length)
+    ]
 
 
 @torch.no_grad()
@@ -59,15 +61,27 @@ def main():
     before = perplexity(model, held_out), continuation(model, tokenizer, prompt)
     model = get_peft_model(model, lora_config(r=args.rank))
     trainable, total = model.get_nb_trainable_parameters()
-    training = TrainingArguments(output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=8,
-                                 learning_rate=2e-3, lr_scheduler_type="cosine", warmup_steps=10, logging_steps=25,
-                                 save_strategy="no", report_to=[], seed=0, use_cpu=True)
+    training = TrainingArguments(
+        output_dir=args.out,
+        max_steps=args.steps,
+        per_device_train_batch_size=8,
+        learning_rate=2e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=10,
+        logging_steps=25,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+    )
     Trainer(model=model, args=training, train_dataset=train).train()
     after = perplexity(model, held_out), continuation(model, tokenizer, prompt)
     model.save_pretrained(args.out)
 
-    print(f"LoRA rank {args.rank}: {trainable:,} trainable of {total:,} parameters; {len(train)} training blocks "
-          f"of 128 tokens, {len(held_out)} held out")
+    print(
+        f"LoRA rank {args.rank}: {trainable:,} trainable of {total:,} parameters; {len(train)} training blocks "
+        f"of 128 tokens, {len(held_out)} held out"
+    )
     print(f"held-out perplexity: before {before[0]:.2f}, after {after[0]:.2f}")
     print(f"prompt: {prompt!r}\n  before: {before[1]!r}\n  after:  {after[1]!r}")
 

@@ -34,7 +34,10 @@ def main():
     cache = DynamicCache(config=config)  # transformers' hybrid cache, filled in place by the forward
     with torch.no_grad():
         out = model(input_ids, labels=input_ids, cache=cache, use_cache=True)
-    print(f"loss {out.loss.item():.4f} (random weights: about ln(vocab) = {torch.log(torch.tensor(float(config.vocab_size))):.4f})")
+    print(
+        f"loss {out.loss.item():.4f} "
+        f"(random weights: about ln(vocab) = {torch.log(torch.tensor(float(config.vocab_size))):.4f})"
+    )
     print(f"cache: {[type(layer).__name__ for layer in cache.layers]}")
 
     out_dir = args.out or tempfile.mkdtemp(prefix="samba-quickstart-")

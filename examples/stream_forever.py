@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 import samba_hf  # noqa: F401
-from samba_hf.cli import default_model_path
 from samba_hf.cache_samba import CACHE_NAME  # generate's cache argument: `cache` (5.24), `past_key_values` (5.23)
+from samba_hf.cli import default_model_path
 
 
 def resident_mib() -> float:
@@ -65,8 +65,10 @@ class Meter(BaseStreamer):
             self.last_time = now
             row = (self.count, rate, cache_bytes(self.cache), resident_mib())
             self.rows.append(row)
-            print(f"{row[0]:>8} tokens  {row[1]:8.1f} tokens/s  cache {row[2] / 2**20:8.3f} MiB  RSS {row[3]:8.1f} MiB",
-                  flush=True)
+            print(
+                f"{row[0]:>8} tokens  {row[1]:8.1f} tokens/s  cache {row[2] / 2**20:8.3f} MiB  RSS {row[3]:8.1f} MiB",
+                flush=True,
+            )
 
     def end(self):
         pass
@@ -85,10 +87,14 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # never stop early: we want exactly --tokens tokens
-    print(f"model {path}: {sum(p.numel() for p in model.parameters()):,} parameters, window "
-          f"{model.config.sliding_window}, layers {model.config.layer_types}; torch threads {torch.get_num_threads()}")
-    print(f"cache bound from SambaForCausalLM.cache_nbytes({args.batch_size}): "
-          f"{model.cache_nbytes(args.batch_size) / 2**20:.3f} MiB")
+    print(
+        f"model {path}: {sum(p.numel() for p in model.parameters()):,} parameters, window "
+        f"{model.config.sliding_window}, layers {model.config.layer_types}; torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"cache bound from SambaForCausalLM.cache_nbytes({args.batch_size}): "
+        f"{model.cache_nbytes(args.batch_size) / 2**20:.3f} MiB"
+    )
 
     ids = tokenizer(["Once upon a time"] * args.batch_size, return_tensors="pt").input_ids
     cache = DynamicCache(config=model.config)
@@ -96,14 +102,24 @@ def main():
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), **{CACHE_NAME: cache}, max_new_tokens=args.tokens,
-                       do_sample=True, top_k=50, streamer=meter, pad_token_id=tokenizer.pad_token_id)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            **{CACHE_NAME: cache},
+            max_new_tokens=args.tokens,
+            do_sample=True,
+            top_k=50,
+            streamer=meter,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     total = time.perf_counter() - start
     print(f"{args.tokens} tokens in {total:.1f} s ({args.tokens * args.batch_size / total:.1f} tokens/s overall)")
     if len(meter.rows) >= 2:
         first, last = meter.rows[0], meter.rows[-1]
-        print(f"last interval / first interval: speed x{last[1] / first[1]:.2f}, cache x{last[2] / first[2]:.2f}, "
-              f"RSS {first[3]:.1f} -> {last[3]:.1f} MiB")
+        print(
+            f"last interval / first interval: speed x{last[1] / first[1]:.2f}, cache x{last[2] / first[2]:.2f}, "
+            f"RSS {first[3]:.1f} -> {last[3]:.1f} MiB"
+        )
 
 
 if __name__ == "__main__":

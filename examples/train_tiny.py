@@ -21,8 +21,8 @@ documents, as the official Samba runs). Model: a few million parameters, Mamba +
 """
 
 import argparse
-import inspect
 import importlib
+import inspect
 import json
 import math
 import random
@@ -30,9 +30,9 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments
 
@@ -42,17 +42,111 @@ from samba_hf.configuration_samba import UNLIMITED_POSITIONS
 from samba_hf.hub_samba import REMOTE_CODE_FILES, hub_metadata
 
 DOCSTRING_MODULES = [
-    "abc", "argparse", "array", "ast", "asyncio", "base64", "bisect", "bz2", "calendar", "cmd", "codecs",
-    "collections", "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal",
-    "difflib", "dis", "doctest", "email", "enum", "filecmp", "fnmatch", "fractions", "ftplib", "functools", "getopt",
-    "gettext", "glob", "gzip", "hashlib", "heapq", "hmac", "html", "http.client", "http.server", "imaplib",
-    "inspect", "io", "ipaddress", "itertools", "json", "locale", "logging", "lzma", "mailbox", "math", "mimetypes",
-    "multiprocessing", "numbers", "operator", "optparse", "os", "pathlib", "pdb", "pickle", "pkgutil", "platform",
-    "plistlib", "poplib", "pprint", "profile", "queue", "random", "re", "sched", "secrets", "selectors", "shelve",
-    "shlex", "shutil", "signal", "smtplib", "socket", "socketserver", "sqlite3", "ssl", "statistics", "string",
-    "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "trace",
-    "traceback", "typing", "unittest", "urllib.parse", "urllib.request", "uuid", "warnings", "wave", "weakref",
-    "xml.dom.minidom", "xml.etree.ElementTree", "zipfile", "zlib",
+    "abc",
+    "argparse",
+    "array",
+    "ast",
+    "asyncio",
+    "base64",
+    "bisect",
+    "bz2",
+    "calendar",
+    "cmd",
+    "codecs",
+    "collections",
+    "colorsys",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "dis",
+    "doctest",
+    "email",
+    "enum",
+    "filecmp",
+    "fnmatch",
+    "fractions",
+    "ftplib",
+    "functools",
+    "getopt",
+    "gettext",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "http.client",
+    "http.server",
+    "imaplib",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "locale",
+    "logging",
+    "lzma",
+    "mailbox",
+    "math",
+    "mimetypes",
+    "multiprocessing",
+    "numbers",
+    "operator",
+    "optparse",
+    "os",
+    "pathlib",
+    "pdb",
+    "pickle",
+    "pkgutil",
+    "platform",
+    "plistlib",
+    "poplib",
+    "pprint",
+    "profile",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "selectors",
+    "shelve",
+    "shlex",
+    "shutil",
+    "signal",
+    "smtplib",
+    "socket",
+    "socketserver",
+    "sqlite3",
+    "ssl",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "trace",
+    "traceback",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "urllib.request",
+    "uuid",
+    "warnings",
+    "wave",
+    "weakref",
+    "xml.dom.minidom",
+    "xml.etree.ElementTree",
+    "zipfile",
+    "zlib",
 ]
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0-3, as the config's bos 1 / eos 2 / pad 3
 
@@ -79,11 +173,21 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>", pad_token="<pad>", model_max_length=1_000_000)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=1_000_000,
+    )
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -108,16 +212,23 @@ def stream(tokenizer, docs) -> list[int]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="out/train_tiny",
-                        help="folder to write (default: out/train_tiny, git-ignored); the shipped model: "
-                             "--out src/samba_hf/default_model")
+    parser.add_argument(
+        "--out",
+        default="out/train_tiny",
+        help="folder to write (default: out/train_tiny, git-ignored); the shipped model: "
+        "--out src/samba_hf/default_model",
+    )
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--repackage", metavar="FOLDER", default=None,
-                        help="no training: rewrite the trained FOLDER into --out as this script packages a model")
+    parser.add_argument(
+        "--repackage",
+        metavar="FOLDER",
+        default=None,
+        help="no training: rewrite the trained FOLDER into --out as this script packages a model",
+    )
     args = parser.parse_args()
     if args.repackage:
         return repackage(args.repackage, args.out)
@@ -129,23 +240,43 @@ def main():
     train_docs, eval_docs = docs[held_out:], docs[:held_out]
     tokenizer = train_tokenizer(train_docs, args.vocab_size)
     train_ids, eval_ids = stream(tokenizer, train_docs), stream(tokenizer, eval_docs)
-    print(f"{len(docs)} documents, {sum(map(len, docs)) / 1e6:.2f} M characters; {len(train_ids):,} training "
-          f"tokens, {len(eval_ids):,} held-out tokens; vocabulary {len(tokenizer)}")
+    print(
+        f"{len(docs)} documents, {sum(map(len, docs)) / 1e6:.2f} M characters; {len(train_ids):,} training "
+        f"tokens, {len(eval_ids):,} held-out tokens; vocabulary {len(tokenizer)}"
+    )
 
     config = SambaConfig(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=640, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=256,
-        bos_token_id=1, eos_token_id=2, pad_token_id=3,  # no max_position_embeddings: Samba has no length limit
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,  # no max_position_embeddings: Samba has no length limit
     )
     model = SambaForCausalLM(config)
     print(f"model: {model.num_parameters():,} parameters, layers {config.layer_types}")
 
     training = TrainingArguments(
         output_dir=str(Path(args.out).with_name(Path(args.out).name + "-checkpoints")),
-        max_steps=args.max_steps, per_device_train_batch_size=args.batch_size, learning_rate=args.lr,
-        lr_scheduler_type="cosine", warmup_steps=max(1, args.max_steps // 10), weight_decay=0.1,
-        adam_beta2=0.95, max_grad_norm=1.0, logging_steps=50, save_strategy="no", report_to=[], seed=0,
-        dataloader_drop_last=True, use_cpu=True,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, args.max_steps // 10),
+        weight_decay=0.1,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        logging_steps=50,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        dataloader_drop_last=True,
+        use_cpu=True,
     )
     trainer = Trainer(model=model, args=training, train_dataset=Blocks(train_ids, args.block))
     start = time.perf_counter()
@@ -162,15 +293,26 @@ def main():
     prompt = "The assert statement"
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     sample = tokenizer.decode(model.generate(ids, max_new_tokens=40, do_sample=False)[0])
-    print(f"trained in {minutes:.1f} min ({tokens_per_s:,.0f} tokens/s); held-out perplexity {perplexity:.2f} on {len(held) * args.block:,} tokens")
+    print(
+        f"trained in {minutes:.1f} min ({tokens_per_s:,.0f} tokens/s); "
+        f"held-out perplexity {perplexity:.2f} on {len(held) * args.block:,} tokens"
+    )
     print(f"greedy sample: {sample!r}")
 
-    report = {"train_minutes": round(minutes, 1), "train_tokens_per_s": round(tokens_per_s),
-              "final_train_loss": round(trainer.state.log_history[-1]["train_loss"], 4), "held_out_perplexity": round(perplexity, 2),
-              "held_out_tokens": len(held) * args.block, "training_tokens": len(train_ids),
-              "steps": args.max_steps, "parameters": model.num_parameters(), "sample_prompt": prompt,
-              "greedy_sample": sample, "stored": "bfloat16 (A_log, D float32)",
-              "command": shlex.join(["python", "examples/train_tiny.py", *sys.argv[1:]])}
+    report = {
+        "train_minutes": round(minutes, 1),
+        "train_tokens_per_s": round(tokens_per_s),
+        "final_train_loss": round(trainer.state.log_history[-1]["train_loss"], 4),
+        "held_out_perplexity": round(perplexity, 2),
+        "held_out_tokens": len(held) * args.block,
+        "training_tokens": len(train_ids),
+        "steps": args.max_steps,
+        "parameters": model.num_parameters(),
+        "sample_prompt": prompt,
+        "greedy_sample": sample,
+        "stored": "bfloat16 (A_log, D float32)",
+        "command": shlex.join(["python", "examples/train_tiny.py", *sys.argv[1:]]),
+    }
     package(model, tokenizer, report, args.out)
 
 
@@ -239,6 +381,7 @@ def repackage(folder: str, out: str):
     package(model, tokenizer, report, out)
     for name, data in files.items():  # the tokenizer files as they were (a reload adds loading options to them)
         Path(out, name).write_bytes(data)
+
 
 if __name__ == "__main__":
     main()

@@ -39,7 +39,9 @@ class Terminated(KeyboardInterrupt):
 def check_generate_arguments(args) -> None:
     """What can be wrong with `generate`'s arguments without loading anything; checked before any output."""
     if args.model is not None and not args.model.strip():
-        raise UserError("--model is empty; give a model folder or Hub name, or leave --model out for the embedded default")
+        raise UserError(
+            "--model is empty; give a model folder or Hub name, or leave --model out for the embedded default"
+        )
     if args.tokenizer is not None and not args.tokenizer.strip():
         raise UserError("--tokenizer is empty; give a tokenizer folder or Hub name, or leave it out")
     try:
@@ -70,16 +72,22 @@ def check_generate_arguments(args) -> None:
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise UserError(f"--seed must be between 0 and 2**64 - 1, got {args.seed}")
     if args.prompt_lookup is not None and args.prompt_lookup < 1:
-        raise UserError(f"--prompt-lookup is the number of tokens drafted from the prompt at each step: at least 1, got "
-                        f"{args.prompt_lookup}")
+        raise UserError(
+            f"--prompt-lookup is the number of tokens drafted from the prompt at each step: at least 1, got "
+            f"{args.prompt_lookup}"
+        )
     if args.assistant is not None and not args.assistant.strip():
-        raise UserError("--assistant is empty; give the folder of a smaller model with the same tokenizer, or leave it out")
+        raise UserError(
+            "--assistant is empty; give the folder of a smaller model with the same tokenizer, or leave it out"
+        )
     if args.prompt_lookup is not None and args.assistant is not None:
         raise UserError("--prompt-lookup and --assistant are two ways to draft tokens: give one of them")
     if args.compile and (args.prompt_lookup is not None or args.assistant is not None):
         flag = "--prompt-lookup" if args.prompt_lookup is not None else "--assistant"
-        raise UserError(f"{flag} verifies drafts on the dynamic cache, which --compile replaces by a static one: leave "
-                        "out one of them")
+        raise UserError(
+            f"{flag} verifies drafts on the dynamic cache, which --compile replaces by a static one: leave "
+            "out one of them"
+        )
 
 
 def _positive_list(flag: str, text: str, kind=int) -> list:
@@ -88,7 +96,9 @@ def _positive_list(flag: str, text: str, kind=int) -> list:
     except ValueError:
         raise UserError(f"{flag} takes comma-separated {'whole numbers' if kind is int else 'numbers'}, got {text!r}")
     if not values:
-        raise UserError(f"{flag} is empty; give at least one value, e.g. {flag} {'1024,4096' if kind is int else '0,0.5,1'}")
+        raise UserError(
+            f"{flag} is empty; give at least one value, e.g. {flag} {'1024,4096' if kind is int else '0,0.5,1'}"
+        )
     return values
 
 
@@ -105,8 +115,10 @@ def check_eval_arguments(args) -> None:
         if min(args.lengths) < 1:
             raise UserError(f"--lengths must be token counts of at least 1, got {min(args.lengths)}")
         if max(args.lengths) > MAX_EVAL_TOKENS:
-            raise UserError(f"--lengths {max(args.lengths)} is more than the {MAX_EVAL_TOKENS:,} tokens (2^24) samba-hf "
-                            "eval builds a prompt of; pass lengths up to that")
+            raise UserError(
+                f"--lengths {max(args.lengths)} is more than the {MAX_EVAL_TOKENS:,} tokens (2^24) samba-hf "
+                "eval builds a prompt of; pass lengths up to that"
+            )
         if args.trials < 1:
             raise UserError("--trials must be at least 1")
     if args.task == "passkey":
@@ -149,79 +161,142 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="samba-hf", description="Samba language models on transformers.", epilog=(
-        "Without --model, generate and eval phonebook / perplexity run the embedded default model (a 5.9M-parameter "
-        "Samba that writes documentation-flavoured English) and eval passkey a passkey-tuned one; `samba-hf COMMAND "
-        "--help` lists a command's options with their defaults."))
+    parser = Parser(
+        prog="samba-hf",
+        description="Samba language models on transformers.",
+        epilog=(
+            "Without --model, generate and eval phonebook / perplexity run the embedded default model (a "
+            "5.9M-parameter Samba that writes documentation-flavoured English) and eval passkey a passkey-tuned one; "
+            "`samba-hf COMMAND --help` lists a command's options with their defaults."
+        ),
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="continue a prompt, streaming the tokens as they come")
     gen.add_argument("prompt", help="the text to continue")
     gen.add_argument("--model", default=None, help="a Samba model folder or Hub name (default: the embedded model)")
-    gen.add_argument("--tokenizer", default=None,
-                     help="a tokenizer folder, Hub name or SentencePiece .model file (default: the one in the "
-                          "model folder)")
-    gen.add_argument("--max-new-tokens", type=int, default=64,
-                     help="the most tokens to generate after the prompt (fewer if the model ends its text)")
+    gen.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer folder, Hub name or SentencePiece .model file (default: the one in the model folder)",
+    )
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="the most tokens to generate after the prompt (fewer if the model ends its text)",
+    )
     gen.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     gen.add_argument("--temperature", type=float, default=None, help="with --do-sample (default 1.0)")
     gen.add_argument("--top-k", type=int, default=None, help="with --do-sample (default 50; 0 = no limit)")
     gen.add_argument("--top-p", type=float, default=None, help="with --do-sample (default 1.0)")
     gen.add_argument("--seed", type=int, default=None, help="with --do-sample: same seed, same tokens")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                     help="auto: bfloat16 on CUDA, and on CPUs that multiply it natively and faster; else float32")
+    gen.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, and on CPUs that multiply it natively and faster; else float32",
+    )
     gen.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
-    gen.add_argument("--prefill-chunk-size", type=int, default=8192,
-                     help="prompts longer than this are read in chunks of this many tokens (bounded memory)")
-    gen.add_argument("--compile", action="store_true",
-                     help="decode with a static cache and a torch.compile'd step (transformers' cache_implementation="
-                          "'static' and compile_config): faster steps after compiling (about a minute for the "
-                          "embedded model on 2 CPU cores); the same text in float32, in bfloat16 it can part after "
-                          "some tokens (docs/cli.md)")
-    gen.add_argument("--chat", action="store_true",
-                     help="the prompt is a user message: format it with the tokenizer's chat template, print only "
-                          "the reply and stop at the end of its turn (e.g. <|end|> for Phi-4-mini-flash-reasoning)")
+    gen.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=8192,
+        help="prompts longer than this are read in chunks of this many tokens (bounded memory)",
+    )
+    gen.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a static cache and a torch.compile'd step (transformers' cache_implementation="
+        "'static' and compile_config): faster steps after compiling (about a minute for the "
+        "embedded model on 2 CPU cores); the same text in float32, in bfloat16 it can part after "
+        "some tokens (docs/cli.md)",
+    )
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message: format it with the tokenizer's chat template, print only "
+        "the reply and stop at the end of its turn (e.g. <|end|> for Phi-4-mini-flash-reasoning)",
+    )
     gen.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message before the prompt")
-    gen.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
-                     help="speculative decoding: draft N tokens at a time from n-grams of the prompt and the text so far, "
-                          "verified in one forward (the same greedy text; faster where the text repeats its input)")
-    gen.add_argument("--assistant", default=None, metavar="FOLDER",
-                     help="speculative decoding: draft tokens with this smaller model (samba-hf's or any transformers "
-                          "causal LM with the same tokenizer), verified in one forward")
+    gen.add_argument(
+        "--prompt-lookup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="speculative decoding: draft N tokens at a time from n-grams of the prompt and the text so far, "
+        "verified in one forward (the same greedy text; faster where the text repeats its input)",
+    )
+    gen.add_argument(
+        "--assistant",
+        default=None,
+        metavar="FOLDER",
+        help="speculative decoding: draft tokens with this smaller model (samba-hf's or any transformers "
+        "causal LM with the same tokenizer), verified in one forward",
+    )
     gen.set_defaults(command_name="generate", check=check_generate_arguments)
 
     conv = commands.add_parser("convert", help="turn a checkpoint of another implementation into a samba-hf folder")
-    conv.add_argument("source", choices=["lit-gpt", "fla", "mamba", "mistral", "llama", "megatron"],
-                      help="lit-gpt: the official microsoft/Samba code; megatron: NVIDIA's Megatron-LM Mamba-2(-Hybrid) "
-                           "checkpoints; fla: flash-linear-attention; mamba/mistral/"
-                           "llama: transformers' folders")
-    conv.add_argument("src", help="the checkpoint: a .pth file (lit-gpt), a Megatron folder as downloaded or its .pt, "
-                                  "or a model folder")
+    conv.add_argument(
+        "source",
+        choices=["lit-gpt", "fla", "mamba", "mistral", "llama", "megatron"],
+        help="lit-gpt: the official microsoft/Samba code; megatron: NVIDIA's Megatron-LM Mamba-2(-Hybrid) "
+        "checkpoints; fla: flash-linear-attention; mamba/mistral/"
+        "llama: transformers' folders",
+    )
+    conv.add_argument(
+        "src",
+        help="the checkpoint: a .pth file (lit-gpt), a Megatron folder as downloaded or its .pt, or a model folder",
+    )
     conv.add_argument("out", help="the folder to write (must not exist or be empty, unless --force)")
-    conv.add_argument("--config", default=None,
-                      help="lit-gpt: an official config name (default: the model_name a training checkpoint records) "
-                           "or a SambaConfig JSON; other sources: optional, read from the source's config.json")
-    conv.add_argument("--force-config", action="store_true",
-                      help="lit-gpt: use --config even where it contradicts the model_name the checkpoint records")
-    conv.add_argument("--tokenizer", default=None,
-                      help="a SentencePiece .model or a tokenizer folder (default: the source folder's)")
-    conv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                      help="dtype of the written weights (default: the source's); Mamba A_log and D (Mamba-2: and "
-                           "dt_bias) stay float32")
+    conv.add_argument(
+        "--config",
+        default=None,
+        help="lit-gpt: an official config name (default: the model_name a training checkpoint records) "
+        "or a SambaConfig JSON; other sources: optional, read from the source's config.json",
+    )
+    conv.add_argument(
+        "--force-config",
+        action="store_true",
+        help="lit-gpt: use --config even where it contradicts the model_name the checkpoint records",
+    )
+    conv.add_argument(
+        "--tokenizer", default=None, help="a SentencePiece .model or a tokenizer folder (default: the source folder's)"
+    )
+    conv.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the written weights (default: the source's); Mamba A_log and D (Mamba-2: and "
+        "dt_bias) stay float32",
+    )
     conv.add_argument("--max-shard-size", default="5GB", help="the largest weight file to write, e.g. 2GB or 500MB")
-    conv.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
-                      help="compare logits with a reference forward of the source (default: on up to 1B parameters)")
+    conv.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compare logits with a reference forward of the source (default: on up to 1B parameters)",
+    )
     conv.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload the folder to this Hub repo")
-    conv.add_argument("--force", action="store_true",
-                      help="replace OUT when it is an earlier samba-hf output (never a folder holding other files)")
+    conv.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT when it is an earlier samba-hf output (never a folder holding other files)",
+    )
     conv.set_defaults(command_name="convert", check=None)
 
     exp = commands.add_parser("export", help="write a samba-hf folder back in another implementation's format")
-    exp.add_argument("target", choices=["lit-gpt", "megatron"],
-                     help="lit-gpt: the official microsoft/Samba state dict; megatron: Megatron-LM's model_optim_rng.pt "
-                          "in the released Mamba layout (bfloat16)")
+    exp.add_argument(
+        "target",
+        choices=["lit-gpt", "megatron"],
+        help="lit-gpt: the official microsoft/Samba state dict; megatron: Megatron-LM's model_optim_rng.pt "
+        "in the released Mamba layout (bfloat16)",
+    )
     exp.add_argument("src", help="a samba-hf model folder")
-    exp.add_argument("out", help="the file to write: lit-gpt, a .pth ({'model': state_dict}, as the official eval.py "
-                                 "loads); megatron, e.g. DIR/release/mp_rank_00/model_optim_rng.pt")
+    exp.add_argument(
+        "out",
+        help="the file to write: lit-gpt, a .pth ({'model': state_dict}, as the official eval.py "
+        "loads); megatron, e.g. DIR/release/mp_rank_00/model_optim_rng.pt",
+    )
     exp.add_argument("--force", action="store_true", help="replace OUT when it is an earlier export")
     exp.set_defaults(command_name="export", check=None)
 
@@ -234,11 +309,17 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for task, text in helps.items():
         t = tasks.add_parser(task, help=text, description=text)
-        t.add_argument("--model", default=None,
-                       help="a model folder or Hub name, any causal LM transformers loads (default: the embedded "
-                            + ("passkey-tuned Samba)" if task == "passkey" else "default Samba)"))
-        t.add_argument("--tokenizer", default=None,
-                       help="a tokenizer folder, Hub name or SentencePiece .model file (default: the model folder's)")
+        t.add_argument(
+            "--model",
+            default=None,
+            help="a model folder or Hub name, any causal LM transformers loads (default: the embedded "
+            + ("passkey-tuned Samba)" if task == "passkey" else "default Samba)"),
+        )
+        t.add_argument(
+            "--tokenizer",
+            default=None,
+            help="a tokenizer folder, Hub name or SentencePiece .model file (default: the model folder's)",
+        )
         if task == "passkey":
             t.add_argument("--lengths", default="512,2048,8192,32768", help="prompt lengths in tokens")
             t.add_argument("--depths", default="0,0.5,1", help="where the key sits: 0 = first, 1 = last")
@@ -247,18 +328,31 @@ def build_parser() -> argparse.ArgumentParser:
             t.add_argument("--lengths", default="256,512,1024,2048", help="prompt lengths in tokens")
             t.add_argument("--trials", type=int, default=5, help="phonebooks per length")
         else:
-            t.add_argument("--text", default=None, metavar="FILE",
-                           help="a UTF-8 text file (default: Python's own documentation topics, pydoc_data)")
+            t.add_argument(
+                "--text",
+                default=None,
+                metavar="FILE",
+                help="a UTF-8 text file (default: Python's own documentation topics, pydoc_data)",
+            )
             t.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
             t.add_argument("--bucket", type=int, default=512, help="tokens per position bucket")
         t.add_argument("--seed", type=int, default=0, help="the same seed gives the same prompts")
-        t.add_argument("--out", default=None, metavar="DIR",
-                       help=f"write {task}.json and {task}.png into DIR (created if needed)")
+        t.add_argument(
+            "--out", default=None, metavar="DIR", help=f"write {task}.json and {task}.png into DIR (created if needed)"
+        )
         t.add_argument("--force", action="store_true", help=f"replace {task}.json / {task}.png in --out")
-        t.add_argument("--prefill-chunk-size", type=int, default=2048,
-                       help="long prompts go through the cache this many tokens at a time (bounded memory)")
-        t.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="float32: the same scores on every machine; auto: as generate's --dtype")
+        t.add_argument(
+            "--prefill-chunk-size",
+            type=int,
+            default=2048,
+            help="long prompts go through the cache this many tokens at a time (bounded memory)",
+        )
+        t.add_argument(
+            "--dtype",
+            default="float32",
+            choices=["auto", "float32", "bfloat16", "float16"],
+            help="float32: the same scores on every machine; auto: as generate's --dtype",
+        )
         t.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
         t.set_defaults(command_name="eval", check=check_eval_arguments)
     return parser
@@ -276,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     in_main_thread = threading.current_thread() is threading.main_thread()  # signals can only be caught there
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)} if in_main_thread else {}
+    previous = (
+        {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)} if in_main_thread else {}
+    )
     try:
         if args.check is not None:
             args.check(args)

@@ -10,9 +10,21 @@ from samba_hf.cache_samba import CACHE_NAME
 def tiny_config(**overrides) -> SambaConfig:
     """A Samba small enough for CPU tests: window 8 so short sequences run several windows past it."""
     base = dict(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, sliding_window=8, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=8,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     if overrides.get("hybrid_override_pattern") is not None:
         del base["num_hidden_layers"]  # the pattern gives the layer count
@@ -60,8 +72,11 @@ def counted_chunked_ssd(monkeypatch, skip_check: bool = True) -> list:
     monkeypatch.setattr(ssm_samba, "_CHUNKED_SSD_CHECKED", set())  # (skipped checks must not pass for later tests)
     kernels = ssm_samba.load_kernels()
     calls, real = [], kernels.ssd_chunked_triton
-    monkeypatch.setattr(ssm_samba, "_KERNELS", kernels._replace(
-        ssd_chunked_triton=lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest)))
+    monkeypatch.setattr(
+        ssm_samba,
+        "_KERNELS",
+        kernels._replace(ssd_chunked_triton=lambda x, *rest: calls.append(x.shape[1]) or real(x, *rest)),
+    )
     return calls
 
 

@@ -29,8 +29,9 @@ def selective_scan_cuda() -> types.ModuleType:
     def fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
         # u, delta (b, d, l); B, C (b, 1, n, l) as the wrapper passes them. Returns out, the chunk states x
         # (b, d, chunks, 2n) of which the wrapper reads x[:, :, -1, 1::2] as the last state, and out * silu(z).
-        out, last = _selective_scan_ref()(u, delta, A, B, C, D, None, delta_bias, delta_softplus,
-                                          return_last_state=True)
+        out, last = _selective_scan_ref()(
+            u, delta, A, B, C, D, None, delta_bias, delta_softplus, return_last_state=True
+        )
         x = torch.zeros(*last.shape[:2], 1, 2 * last.shape[-1], dtype=torch.float32)
         x[:, :, -1, 1::2] = last
         if z is None:
@@ -38,7 +39,9 @@ def selective_scan_cuda() -> types.ModuleType:
         return out, x, (out.float() * F.silu(z.float())).to(out.dtype)
 
     def bwd(u, delta, A, B, C, D, z, delta_bias, dout, x, out, dz, delta_softplus, recompute_out_z):
-        inputs = [t.detach().requires_grad_() if t is not None else None for t in (u, delta, A, B, C, D, z, delta_bias)]
+        inputs = [
+            t.detach().requires_grad_() if t is not None else None for t in (u, delta, A, B, C, D, z, delta_bias)
+        ]
         with torch.enable_grad():
             y = _selective_scan_ref()(*inputs, delta_softplus=delta_softplus)
             present = [t for t in inputs if t is not None]
@@ -67,16 +70,18 @@ def causal_conv1d_cuda() -> types.ModuleType:
         return causal_conv1d_update_ref(*args, **kwargs)
 
     def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, out, final_states_out, silu):
-        result = causal_conv1d_ref(x, weight, bias, initial_states, final_states_out is not None, final_states_out,
-                                   activation(silu), seq_idx)
+        result = causal_conv1d_ref(
+            x, weight, bias, initial_states, final_states_out is not None, final_states_out, activation(silu), seq_idx
+        )
         out.copy_(result[0] if final_states_out is not None else result)
 
     def causal_conv1d_update(x, conv_state, weight, bias, out, silu, cache_seqlens, conv_state_indices):
         assert conv_state_indices is None
         out.copy_(causal_conv1d_update_ref(x, conv_state, weight, bias, activation(silu), cache_seqlens))
 
-    def causal_conv1d_bwd(x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, dweight, dbias,
-                          dinitial_states, silu):
+    def causal_conv1d_bwd(
+        x, weight, bias, dout, seq_idx, initial_states, dfinal_states, dx, dweight, dbias, dinitial_states, silu
+    ):
         # written out (a custom operator runs below autograd): out[t] = bias + sum_k weight[:, k] x[t - (K - 1) + k]
         assert seq_idx is None and initial_states is None and not silu
         width = weight.shape[-1]

@@ -36,8 +36,18 @@ import torch
 import torch.nn.functional as F
 
 GEOMETRY_KEYS = (
-    "vocab_size", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
-    "mamba_num_heads", "mamba_head_dim", "mamba_num_groups", "mamba_state_dim", "mamba_d_conv", "norm_epsilon",
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "mamba_num_heads",
+    "mamba_head_dim",
+    "mamba_num_groups",
+    "mamba_state_dim",
+    "mamba_d_conv",
+    "norm_epsilon",
     "mamba_chunk_size",
 )
 
@@ -60,12 +70,23 @@ _MAMBA_FUSED_EXTRA = ("mixer.in_proj", "mixer.out_proj")
 # Geometry and random weights
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def tiny_geometry(**overrides) -> dict:
     """A tiny Mamba-2-Hybrid geometry (Megatron argument names); d_inner = heads*head_dim = 2*hidden."""
     geometry = dict(
-        vocab_size=96, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
-        ffn_hidden_size=64, mamba_num_heads=8, mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=8,
-        mamba_d_conv=4, norm_epsilon=1e-5, mamba_chunk_size=16,
+        vocab_size=96,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=8,
+        ffn_hidden_size=64,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        mamba_num_groups=2,
+        mamba_state_dim=8,
+        mamba_d_conv=4,
+        norm_epsilon=1e-5,
+        mamba_chunk_size=16,
     )
     unknown = set(overrides) - set(geometry)
     if unknown:
@@ -170,6 +191,7 @@ def random_megatron_state(pattern: str, geometry: dict, seed: int = 0, dtype=tor
 # The float64 reference forward (§3)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _rms_norm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
@@ -196,40 +218,40 @@ def _mamba_mixer(p: dict, x, g: dict):
     _expect(p["in_proj.weight"], (in_rows, x.shape[-1]), "mixer.in_proj.weight")
     _expect(p["conv1d.weight"], (conv_dim, 1, kconv), "mixer.conv1d.weight")
 
-    zxbcdt = x @ p["in_proj.weight"].T                                   # (b, t, 2*d_inner + 2*G*N + H)
-    z = zxbcdt[..., :d_inner]                                            # (b, t, d_inner)
-    xbc = zxbcdt[..., d_inner:d_inner + conv_dim]                        # (b, t, conv_dim)
-    dt_raw = zxbcdt[..., d_inner + conv_dim:]                            # (b, t, H)
+    zxbcdt = x @ p["in_proj.weight"].T  # (b, t, 2*d_inner + 2*G*N + H)
+    z = zxbcdt[..., :d_inner]  # (b, t, d_inner)
+    xbc = zxbcdt[..., d_inner : d_inner + conv_dim]  # (b, t, conv_dim)
+    dt_raw = zxbcdt[..., d_inner + conv_dim :]  # (b, t, H)
 
     # Depthwise causal conv: out[t, c] = bias[c] + sum_k w[c, 0, k] * xbc[t - (K-1) + k, c] (zeros before t=0).
-    w = p["conv1d.weight"][:, 0, :]                                      # (conv_dim, K)
+    w = p["conv1d.weight"][:, 0, :]  # (conv_dim, K)
     padded = torch.cat([xbc.new_zeros(b, kconv - 1, conv_dim), xbc], dim=1)
     conv = p["conv1d.bias"].expand(b, t, conv_dim).clone()
     for k in range(kconv):
-        conv = conv + w[:, k] * padded[:, k:k + t, :]
+        conv = conv + w[:, k] * padded[:, k : k + t, :]
     xbc = _silu(conv)
 
-    xs = xbc[..., :d_inner].reshape(b, t, nheads, headdim)              # layout (h p)
-    bs = xbc[..., d_inner:d_inner + ngroups * dstate].reshape(b, t, ngroups, dstate)
-    cs = xbc[..., d_inner + ngroups * dstate:].reshape(b, t, ngroups, dstate)
-    group = torch.arange(nheads) // (nheads // ngroups)                  # head h -> group h // (H/G)
+    xs = xbc[..., :d_inner].reshape(b, t, nheads, headdim)  # layout (h p)
+    bs = xbc[..., d_inner : d_inner + ngroups * dstate].reshape(b, t, ngroups, dstate)
+    cs = xbc[..., d_inner + ngroups * dstate :].reshape(b, t, ngroups, dstate)
+    group = torch.arange(nheads) // (nheads // ngroups)  # head h -> group h // (H/G)
 
-    A = -torch.exp(p["A_log"])                                           # (H,)
-    dt = _softplus(dt_raw + p["dt_bias"])                                # (b, t, H); no clamp
-    D = p["D"]                                                           # (H,)
+    A = -torch.exp(p["A_log"])  # (H,)
+    dt = _softplus(dt_raw + p["dt_bias"])  # (b, t, H); no clamp
+    D = p["D"]  # (H,)
 
-    state = x.new_zeros(b, nheads, headdim, dstate)                     # S_0 = 0
+    state = x.new_zeros(b, nheads, headdim, dstate)  # S_0 = 0
     ys = []
     for step in range(t):
-        dt_t = dt[:, step]                                               # (b, H)
-        x_t = xs[:, step]                                                # (b, H, P)
-        b_t = bs[:, step][:, group]                                      # (b, H, N)
-        c_t = cs[:, step][:, group]                                      # (b, H, N)
-        decay = torch.exp(dt_t * A)                                      # (b, H)
+        dt_t = dt[:, step]  # (b, H)
+        x_t = xs[:, step]  # (b, H, P)
+        b_t = bs[:, step][:, group]  # (b, H, N)
+        c_t = cs[:, step][:, group]  # (b, H, N)
+        decay = torch.exp(dt_t * A)  # (b, H)
         state = decay[..., None, None] * state + dt_t[..., None, None] * x_t[..., :, None] * b_t[..., None, :]
-        y_t = (state * c_t[..., None, :]).sum(-1) + D[:, None] * x_t     # (b, H, P)
+        y_t = (state * c_t[..., None, :]).sum(-1) + D[:, None] * x_t  # (b, H, P)
         ys.append(y_t.reshape(b, d_inner))
-    y = torch.stack(ys, dim=1)                                           # (b, t, d_inner)
+    y = torch.stack(ys, dim=1)  # (b, t, d_inner)
 
     # Gated RMSNorm, norm_before_gate=False, one RMS per group of d_inner / ngroups channels.
     u = (y * _silu(z)).reshape(b, t, ngroups, d_inner // ngroups)
@@ -245,11 +267,11 @@ def _attention(p: dict, x, g: dict):
     per_group = nh // ng
     _expect(p["linear_qkv.weight"], ((nh + 2 * ng) * kv, x.shape[-1]), "linear_qkv.weight")
     mixed = (x @ p["linear_qkv.weight"].T).reshape(b, t, ng, (per_group + 2) * kv)
-    q = mixed[..., :per_group * kv].reshape(b, t, nh, kv)                # q head = group * per_group + j
-    k = mixed[..., per_group * kv:(per_group + 1) * kv]                  # (b, t, ng, kv)
-    v = mixed[..., (per_group + 1) * kv:]                                # (b, t, ng, kv)
+    q = mixed[..., : per_group * kv].reshape(b, t, nh, kv)  # q head = group * per_group + j
+    k = mixed[..., per_group * kv : (per_group + 1) * kv]  # (b, t, ng, kv)
+    v = mixed[..., (per_group + 1) * kv :]  # (b, t, ng, kv)
     kv_of_head = torch.arange(nh) // per_group
-    k, v = k[:, :, kv_of_head], v[:, :, kv_of_head]                      # (b, t, nh, kv)
+    k, v = k[:, :, kv_of_head], v[:, :, kv_of_head]  # (b, t, nh, kv)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(kv)
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
@@ -268,7 +290,7 @@ def _expect(tensor, shape, name):
 
 
 def _layer_params(state: dict, prefix: str) -> dict:
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def megatron_logits(state: dict, pattern: str, geometry: dict, ids: torch.LongTensor) -> torch.Tensor:
@@ -291,14 +313,22 @@ def megatron_logits(state: dict, pattern: str, geometry: dict, ids: torch.LongTe
     ids = torch.as_tensor(ids)
     if ids.dim() == 1:
         ids = ids[None]
-    h = F.embedding(ids, take("embedding.word_embeddings.weight"))        # (b, t, hidden)
+    h = F.embedding(ids, take("embedding.word_embeddings.weight"))  # (b, t, hidden)
     for i, kind in enumerate(pattern):
         pre = f"decoder.layers.{i}."
         if kind == "M":
             fused = pre + "mixer.in_proj.layer_norm_weight"
             norm_w = take(fused) if fused in tensors else take(pre + "norm.weight")
-            names = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight",
-                     "out_proj.weight")
+            names = (
+                "in_proj.weight",
+                "conv1d.weight",
+                "conv1d.bias",
+                "A_log",
+                "D",
+                "dt_bias",
+                "norm.weight",
+                "out_proj.weight",
+            )
             p = {n: take(pre + "mixer." + n) for n in names}
             h = h + _mamba_mixer(p, _rms_norm(h, norm_w, eps), geometry)
         elif kind == "*":
@@ -321,24 +351,46 @@ def megatron_logits(state: dict, pattern: str, geometry: dict, ids: torch.LongTe
 # args and checkpoint files (§1.3-§1.6)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def megatron_args(pattern: str, geometry: dict, **overrides) -> argparse.Namespace:
     """The pickled `args` of the 2024 release (§1.4): no mamba_* geometry fields."""
     _check_pattern(pattern)
     g = geometry
     n = len(pattern)
     fields = dict(
-        num_layers=n, encoder_num_layers=n, hidden_size=g["hidden_size"], ffn_hidden_size=g["ffn_hidden_size"],
-        num_attention_heads=g["num_attention_heads"], group_query_attention=True,
-        num_query_groups=g["num_query_groups"], kv_channels=g["kv_channels"], norm_epsilon=g["norm_epsilon"],
-        normalization="RMSNorm", hybrid_attention_ratio=pattern.count("*") / n,
-        hybrid_mlp_ratio=pattern.count("-") / n, hybrid_override_pattern=None, position_embedding_type="none",
-        untie_embeddings_and_output_weights=True, padded_vocab_size=g["vocab_size"],
-        make_vocab_size_divisible_by=128, params_dtype=torch.bfloat16, bf16=True, fp16=False,
-        fp32_residual_connection=False, apply_residual_connection_post_layernorm=False, seq_length=4096,
-        max_position_embeddings=4096, add_bias_linear=False, bias_gelu_fusion=False, swiglu=False,
-        squared_relu=False, apply_layernorm_1p=False, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-        tokenizer_type="GPTSentencePieceTokenizer", spec=["megatron.core.models.mamba.mamba_layer_specs",
-                                                           "mamba_stack_spec"],
+        num_layers=n,
+        encoder_num_layers=n,
+        hidden_size=g["hidden_size"],
+        ffn_hidden_size=g["ffn_hidden_size"],
+        num_attention_heads=g["num_attention_heads"],
+        group_query_attention=True,
+        num_query_groups=g["num_query_groups"],
+        kv_channels=g["kv_channels"],
+        norm_epsilon=g["norm_epsilon"],
+        normalization="RMSNorm",
+        hybrid_attention_ratio=pattern.count("*") / n,
+        hybrid_mlp_ratio=pattern.count("-") / n,
+        hybrid_override_pattern=None,
+        position_embedding_type="none",
+        untie_embeddings_and_output_weights=True,
+        padded_vocab_size=g["vocab_size"],
+        make_vocab_size_divisible_by=128,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        fp16=False,
+        fp32_residual_connection=False,
+        apply_residual_connection_post_layernorm=False,
+        seq_length=4096,
+        max_position_embeddings=4096,
+        add_bias_linear=False,
+        bias_gelu_fusion=False,
+        swiglu=False,
+        squared_relu=False,
+        apply_layernorm_1p=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        tokenizer_type="GPTSentencePieceTokenizer",
+        spec=["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"],
         model_type=ModelType.encoder_or_decoder,
     )
     fields.update(overrides)
@@ -395,8 +447,9 @@ def _pattern_from_state(state: dict) -> str:
     return "".join(kinds[i] for i in range(len(kinds)))
 
 
-def save_megatron_checkpoint(path, state: dict, args, *, extra_state: bool = True, fused_norms: bool = False,
-                             iteration="release") -> Path:
+def save_megatron_checkpoint(
+    path, state: dict, args, *, extra_state: bool = True, fused_norms: bool = False, iteration="release"
+) -> Path:
     """Write a legacy Megatron torch checkpoint like the 2024 release; a folder `path` gets the Hub layout."""
     path = Path(path)
     if path.suffix != ".pt":
@@ -415,17 +468,26 @@ def save_megatron_checkpoint(path, state: dict, args, *, extra_state: bool = Tru
         "iteration": 0 if iteration == "release" else int(iteration),
         "model": _file_state(state, pattern, extra_state, fused_norms),
         "opt_param_scheduler": {
-            "max_lr": 3e-4, "lr_warmup_steps": 0, "num_steps": 0, "lr_decay_style": "cosine",
-            "lr_decay_steps": 1, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant",
+            "max_lr": 3e-4,
+            "lr_warmup_steps": 0,
+            "num_steps": 0,
+            "lr_decay_style": "cosine",
+            "lr_decay_steps": 1,
+            "min_lr": 3e-5,
+            "start_wd": 0.1,
+            "end_wd": 0.1,
+            "wd_incr_style": "constant",
             "wd_incr_steps": 1,
         },
-        "rng_state": [{
-            "random_rng_state": random.getstate(),
-            "np_rng_state": np.random.get_state(),
-            "torch_rng_state": torch.get_rng_state(),
-            "cuda_rng_state": torch.get_rng_state().clone(),  # stand-in for torch.cuda.get_rng_state()
-            "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state().clone()},
-        }],
+        "rng_state": [
+            {
+                "random_rng_state": random.getstate(),
+                "np_rng_state": np.random.get_state(),
+                "torch_rng_state": torch.get_rng_state(),
+                "cuda_rng_state": torch.get_rng_state().clone(),  # stand-in for torch.cuda.get_rng_state()
+                "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state().clone()},
+            }
+        ],
     }
     with _fake_megatron_enums():
         torch.save(checkpoint, target)
@@ -444,6 +506,7 @@ def save_megatron_checkpoint(path, state: dict, args, *, extra_state: bool = Tru
 # transformers' NemotronH as a second reference (§5)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def nemotron_h_state(state: dict, pattern: str, geometry: dict) -> dict:
     """Map a Megatron state dict (released or fused layout) to NemotronHForCausalLM in-memory names (`model.`)."""
     g = geometry
@@ -456,8 +519,16 @@ def nemotron_h_state(state: dict, pattern: str, geometry: dict) -> dict:
         if kind == "M":
             fused = pre + "mixer.in_proj.layer_norm_weight"
             out[dst + "norm.weight"] = src[fused] if fused in src else src[pre + "norm.weight"]
-            for name in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight",
-                         "out_proj.weight"):
+            for name in (
+                "in_proj.weight",
+                "conv1d.weight",
+                "conv1d.bias",
+                "A_log",
+                "D",
+                "dt_bias",
+                "norm.weight",
+                "out_proj.weight",
+            ):
                 out[dst + "mixer." + name] = src[pre + "mixer." + name]
         elif kind == "*":
             a = pre + "self_attention."
@@ -478,8 +549,9 @@ def nemotron_h_state(state: dict, pattern: str, geometry: dict) -> dict:
     return out
 
 
-def nemotron_h_model(state: dict, pattern: str, geometry: dict, *, keep_dt_clamp: bool = False,
-                     mlp_hidden_act: str = "gelu"):
+def nemotron_h_model(
+    state: dict, pattern: str, geometry: dict, *, keep_dt_clamp: bool = False, mlp_hidden_act: str = "gelu"
+):
     """transformers' NemotronHForCausalLM (fp32, eval, eager attention) configured per §5.2 and loaded from `state`.
 
     Faithful settings are keep_dt_clamp=False (dt limit (0, inf), as Megatron) and mlp_hidden_act="gelu" (erf);
@@ -490,14 +562,30 @@ def nemotron_h_model(state: dict, pattern: str, geometry: dict, *, keep_dt_clamp
     g = geometry
     d_inner = g["mamba_num_heads"] * g["mamba_head_dim"]
     config = NemotronHConfig(
-        vocab_size=g["vocab_size"], hidden_size=g["hidden_size"], hybrid_override_pattern=pattern,
-        num_attention_heads=g["num_attention_heads"], num_key_value_heads=g["num_query_groups"],
-        head_dim=g["kv_channels"], attention_bias=False, intermediate_size=g["ffn_hidden_size"],
-        mlp_hidden_act=mlp_hidden_act, mlp_bias=False, ssm_state_size=g["mamba_state_dim"],
-        mamba_num_heads=g["mamba_num_heads"], mamba_head_dim=g["mamba_head_dim"], n_groups=g["mamba_num_groups"],
-        conv_kernel=g["mamba_d_conv"], expand=max(1, d_inner // g["hidden_size"]), chunk_size=g["mamba_chunk_size"],
-        use_conv_bias=True, use_bias=False, mamba_hidden_act="silu", layer_norm_epsilon=g["norm_epsilon"],
-        residual_in_fp32=False, tie_word_embeddings=False, max_position_embeddings=4096,
+        vocab_size=g["vocab_size"],
+        hidden_size=g["hidden_size"],
+        hybrid_override_pattern=pattern,
+        num_attention_heads=g["num_attention_heads"],
+        num_key_value_heads=g["num_query_groups"],
+        head_dim=g["kv_channels"],
+        attention_bias=False,
+        intermediate_size=g["ffn_hidden_size"],
+        mlp_hidden_act=mlp_hidden_act,
+        mlp_bias=False,
+        ssm_state_size=g["mamba_state_dim"],
+        mamba_num_heads=g["mamba_num_heads"],
+        mamba_head_dim=g["mamba_head_dim"],
+        n_groups=g["mamba_num_groups"],
+        conv_kernel=g["mamba_d_conv"],
+        expand=max(1, d_inner // g["hidden_size"]),
+        chunk_size=g["mamba_chunk_size"],
+        use_conv_bias=True,
+        use_bias=False,
+        mamba_hidden_act="silu",
+        layer_norm_epsilon=g["norm_epsilon"],
+        residual_in_fp32=False,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
     )
     config._attn_implementation = "eager"
     model = NemotronHForCausalLM(config).to(torch.float32).eval()
@@ -511,8 +599,9 @@ def nemotron_h_model(state: dict, pattern: str, geometry: dict, *, keep_dt_clamp
     return model
 
 
-def nemotron_h_logits(state: dict, pattern: str, geometry: dict, ids, *, keep_dt_clamp: bool = False,
-                      mlp_hidden_act: str = "gelu") -> torch.Tensor:
+def nemotron_h_logits(
+    state: dict, pattern: str, geometry: dict, ids, *, keep_dt_clamp: bool = False, mlp_hidden_act: str = "gelu"
+) -> torch.Tensor:
     """Float64 logits (batch, seq, vocab) of NemotronHForCausalLM (run in fp32, use_cache=False) from `state`."""
     model = nemotron_h_model(state, pattern, geometry, keep_dt_clamp=keep_dt_clamp, mlp_hidden_act=mlp_hidden_act)
     return run_nemotron_h(model, ids)

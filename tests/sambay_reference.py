@@ -36,6 +36,7 @@ SUBLN_EPS = 1e-5  # hard-coded RMSNorm eps of the differential attention (sambay
 # Config and layout
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def layer_kinds(num_hidden_layers: int) -> list[str]:
     """The block type of every layer index (sambay.md §3).
 
@@ -80,16 +81,26 @@ def _dims(config: dict) -> dict:
     K = int(config.get("mamba_d_conv", 4) or 4)
     expand = int(config.get("mamba_expand", 2) or 2)
     return dict(
-        H=H, I=int(config["intermediate_size"]), L=int(config["num_hidden_layers"]), nh=nh, nkv=nkv, d=H // nh,
-        V=int(config["vocab_size"]), W=_window(config), eps=float(config.get("layer_norm_eps", 1e-5)),
-        N=N, K=K, di=expand * H, R=math.ceil(H / 16),
+        H=H,
+        I=int(config["intermediate_size"]),
+        L=int(config["num_hidden_layers"]),
+        nh=nh,
+        nkv=nkv,
+        d=H // nh,
+        V=int(config["vocab_size"]),
+        W=_window(config),
+        eps=float(config.get("layer_norm_eps", 1e-5)),
+        N=N,
+        K=K,
+        di=expand * H,
+        R=math.ceil(H / 16),
     )
 
 
 def released_shapes(config: dict) -> dict[str, tuple]:
     """Every tensor name and shape of the released checkpoint layout (sambay.md §4). No lm_head.weight (tied)."""
     c = _dims(config)
-    H, I, di, N, K, R, nh, nkv, d = c["H"], c["I"], c["di"], c["N"], c["K"], c["R"], c["nh"], c["nkv"], c["d"]
+    H, inter, di, N, K, R, nh, nkv, d = c["H"], c["I"], c["di"], c["N"], c["K"], c["R"], c["nh"], c["nkv"], c["d"]
     shapes: dict[str, tuple] = {
         "model.embed_tokens.weight": (c["V"], H),
         "model.final_layernorm.weight": (H,),
@@ -100,8 +111,8 @@ def released_shapes(config: dict) -> dict[str, tuple]:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             shapes[p + norm + ".weight"] = (H,)
             shapes[p + norm + ".bias"] = (H,)
-        shapes[p + "mlp.fc1.weight"] = (2 * I, H)
-        shapes[p + "mlp.fc2.weight"] = (H, I)
+        shapes[p + "mlp.fc1.weight"] = (2 * inter, H)
+        shapes[p + "mlp.fc2.weight"] = (H, inter)
         a = p + "attn."
         if kind in ("mamba", "memory_mamba"):
             shapes[a + "in_proj.weight"] = (2 * di, H)
@@ -140,7 +151,6 @@ def random_weights(config: dict, seed: int, dtype=torch.float64) -> dict[str, to
     - lambda_q1/k1/q2/k2 ~ N(0, 0.25²): small, but with d=4 large enough that λ differs visibly from λ_init.
     Generated in float64 from `seed` (independent of the global RNG), then cast to `dtype`.
     """
-    c = _dims(config)
     g = torch.Generator().manual_seed(int(seed))
     f64 = torch.float64
 
@@ -187,6 +197,7 @@ def random_weights(config: dict, seed: int, dtype=torch.float64) -> dict[str, to
 # Building blocks (all float64)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def layer_norm(x, weight, bias, eps):
     """nn.LayerNorm: biased variance over the last dim, then ·weight + bias."""
     mean = x.mean(dim=-1, keepdim=True)
@@ -210,9 +221,9 @@ def linear(x, weight, bias=None):
 
 def mlp(x, fc1, fc2):
     """SwiGLU (§6.3): fc1 rows [0, I) are the gate, rows [I, 2I) the up projection."""
-    I = fc2.shape[1]
+    inter = fc2.shape[1]
     gu = linear(x, fc1)
-    gate, up = gu[..., :I], gu[..., I:]
+    gate, up = gu[..., :inter], gu[..., inter:]
     return linear(silu(gate) * up, fc2)
 
 
@@ -225,7 +236,7 @@ def causal_depthwise_conv(xs, weight, bias):
     padded = torch.cat([xs.new_zeros(B, K - 1, C), xs], dim=1)
     out = bias.expand(B, T, C).clone()
     for k in range(K):
-        out = out + w[:, k] * padded[:, k:k + T, :]
+        out = out + w[:, k] * padded[:, k : k + T, :]
     return out
 
 
@@ -241,7 +252,7 @@ def selective_scan(xc, dt, A, B, C, D):
     h = xc.new_zeros(Bt, di, A.shape[1])
     ys = []
     for t in range(T):
-        decay = torch.exp(dt[:, t, :, None] * A)                       # (Bt, di, N)
+        decay = torch.exp(dt[:, t, :, None] * A)  # (Bt, di, N)
         inject = (dt[:, t] * xc[:, t])[:, :, None] * B[:, t, None, :]  # (Bt, di, N)
         h = decay * h + inject
         ys.append((h * C[:, t, None, :]).sum(-1) + D * xc[:, t])
@@ -266,7 +277,7 @@ def mamba_mixer(x, w, prefix, dims, mask=None):
     if mask is not None:
         xc = xc * mask[..., None]
     x_dbl = linear(xc, w[prefix + "x_proj.weight"])
-    dt_low, Bm, Cm = x_dbl[..., :R], x_dbl[..., R:R + N], x_dbl[..., R + N:R + 2 * N]
+    dt_low, Bm, Cm = x_dbl[..., :R], x_dbl[..., R : R + N], x_dbl[..., R + N : R + 2 * N]
     dt = softplus(linear(dt_low, w[prefix + "dt_proj.weight"]) + w[prefix + "dt_proj.bias"])
     A = -torch.exp(w[prefix + "A_log"])
     y, _ = selective_scan(xc, dt, A, Bm, Cm, w[prefix + "D"])
@@ -325,8 +336,8 @@ def differential_attention(q, k, v, lam, lam_init, subln_weight, allowed, return
     B, T, nh, d = q.shape
     nkv = k.shape[2]
     G = nh // nkv
-    q1, q2 = q[:, :, 0::2], q[:, :, 1::2]   # (B, T, nh/2, d)
-    k1, k2 = k[:, :, 0::2], k[:, :, 1::2]   # (B, S, nkv/2, d)
+    q1, q2 = q[:, :, 0::2], q[:, :, 1::2]  # (B, T, nh/2, d)
+    k1, k2 = k[:, :, 0::2], k[:, :, 1::2]  # (B, S, nkv/2, d)
     v1, v2 = v[:, :, 0::2], v[:, :, 1::2]
     scale = 1.0 / math.sqrt(d)
     o = q.new_zeros(B, T, nh, d)
@@ -335,8 +346,8 @@ def differential_attention(q, k, v, lam, lam_init, subln_weight, allowed, return
         r = p // G
         A1 = _masked_softmax(torch.einsum("btd,bsd->bts", q1[:, :, p], k1[:, :, r]) * scale, allowed)
         A2 = _masked_softmax(torch.einsum("btd,bsd->bts", q2[:, :, p], k2[:, :, r]) * scale, allowed)
-        vcat = torch.cat([v1[:, :, r], v2[:, :, r]], dim=-1)           # (B, S, 2d)
-        Op = A1 @ vcat - lam * (A2 @ vcat)                              # (B, T, 2d)
+        vcat = torch.cat([v1[:, :, r], v2[:, :, r]], dim=-1)  # (B, S, 2d)
+        Op = A1 @ vcat - lam * (A2 @ vcat)  # (B, T, 2d)
         Op = Op / torch.sqrt((Op * Op).mean(dim=-1, keepdim=True) + SUBLN_EPS) * subln_weight
         Op = Op * (1.0 - lam_init)
         o[:, :, 2 * p] = Op[..., :d]
@@ -359,12 +370,12 @@ def attention_mixer(x, w, prefix, dims, layer_idx, kind, shared_kv, key_mask):
     B, T, _ = x.shape
     nh, nkv, d = dims["nh"], dims["nkv"], dims["d"]
     qkv = linear(x, w[prefix + "Wqkv.weight"], w[prefix + "Wqkv.bias"])
-    q = qkv[..., :nh * d].reshape(B, T, nh, d)
+    q = qkv[..., : nh * d].reshape(B, T, nh, d)
     if kind == "cross_attn":
         k, v = shared_kv
     else:
-        k = qkv[..., nh * d:(nh + nkv) * d].reshape(B, T, nkv, d)
-        v = qkv[..., (nh + nkv) * d:(nh + 2 * nkv) * d].reshape(B, T, nkv, d)
+        k = qkv[..., nh * d : (nh + nkv) * d].reshape(B, T, nkv, d)
+        v = qkv[..., (nh + nkv) * d : (nh + 2 * nkv) * d].reshape(B, T, nkv, d)
     window = dims["W"] if kind == "swa" else None
     allowed = attention_allowed(T, window, key_mask)
     li = lambda_init(layer_idx)
@@ -377,6 +388,7 @@ def attention_mixer(x, w, prefix, dims, layer_idx, kind, shared_kv, key_mask):
 # ----------------------------------------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _check_weights(weights: dict, config: dict) -> dict:
     expected = released_shapes(config)
@@ -391,8 +403,10 @@ def _check_weights(weights: dict, config: dict) -> dict:
             w[name] = weights[name].detach().to(torch.float64)
     for name in weights:
         if name == "lm_head.weight":
-            if not torch.equal(weights[name].detach().to(torch.float64),
-                               weights["model.embed_tokens.weight"].detach().to(torch.float64)):
+            if not torch.equal(
+                weights[name].detach().to(torch.float64),
+                weights["model.embed_tokens.weight"].detach().to(torch.float64),
+            ):
                 problems.append("lm_head.weight differs from model.embed_tokens.weight (the release is tied)")
         elif name not in expected:
             problems.append(f"unexpected {name}")
@@ -425,7 +439,7 @@ def reference_forward(weights: dict, config: dict, input_ids, attention_mask=Non
     eps = dims["eps"]
 
     E = w["model.embed_tokens.weight"]
-    h = E[input_ids]                      # no scaling, no positions, no dropout
+    h = E[input_ids]  # no scaling, no positions, no dropout
     hidden_states = [h]
     mem = None
     shared_kv = None
@@ -448,7 +462,7 @@ def reference_forward(weights: dict, config: dict, input_ids, attention_mask=Non
         h = h + mlp(x, w[p + "mlp.fc1.weight"], w[p + "mlp.fc2.weight"])
         hidden_states.append(h)
     h = layer_norm(h, w["model.final_layernorm.weight"], w["model.final_layernorm.bias"], eps)
-    logits = h @ E.T                       # tied head, no bias
+    logits = h @ E.T  # tied head, no bias
     return dict(logits=logits, hidden_states=hidden_states, mem=mem, shared_kv=shared_kv)
 
 

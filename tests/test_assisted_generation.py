@@ -5,14 +5,13 @@ verifies drafts, at most one state per drafted token and two more, and lets go o
 
 import pytest
 import torch
+from conftest import returned_cache, tiny_model
+from test_mamba2 import tiny_mamba2
+from test_sambay import tiny_model as tiny_sambay
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import candidate_generator
 
 from samba_hf import cache_samba, ssm_samba
-
-from conftest import returned_cache, tiny_model
-from test_mamba2 import tiny_mamba2
-from test_sambay import tiny_model as tiny_sambay
 
 NEW = 60  # tokens generated: seven windows of 8
 
@@ -20,7 +19,10 @@ NEW = 60  # tokens generated: seven windows of 8
 def layout(name: str):
     if name == "samba":
         return tiny_model(seed=11)
-    if name in ("megatron", "samba2"):  # the Mamba-2-Hybrid layout (Mamba-2, attention, MLP blocks); Samba with Mamba-2
+    if name in (
+        "megatron",
+        "samba2",
+    ):  # the Mamba-2-Hybrid layout (Mamba-2, attention, MLP blocks); Samba with Mamba-2
         return tiny_mamba2(name, seed=3)
     return tiny_sambay(seed=5)[0]
 
@@ -111,8 +113,16 @@ def test_drafts_that_are_all_wrong_change_nothing(spy):
 def test_a_transformers_model_assists_samba():
     model = tiny_model(seed=11)
     ids = repetitive_prompt(97, seed=2)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).eval()
     assert torch.equal(greedy(model, ids, assistant_model=llama), greedy(model, ids))
 
 
@@ -176,7 +186,9 @@ def test_crop_takes_every_layer_back_to_the_token(name, back):
         cache.activate_past_recording()
         model(ids[:, :23], cache=cache, use_cache=True, logits_to_keep=4)  # the prompt and a 3-token draft
         cache.crop(-1)  # its last token refused
-        model(ids[:, 22:29], cache=cache, use_cache=True, logits_to_keep=7)  # the model's next token and a 6-token draft
+        model(
+            ids[:, 22:29], cache=cache, use_cache=True, logits_to_keep=7
+        )  # the model's next token and a 6-token draft
         cache.crop(-back)
         got = model(after, cache=cache, use_cache=True).logits
         reference = model(torch.cat([ids[:, : 29 - back], after], 1)).logits[:, -2:]
@@ -194,7 +206,7 @@ def test_the_embedded_default_quotes_its_prompt_with_the_greedy_tokens(spy):
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
-    source = (Path(cache_samba.__file__).read_text()[:1200])
+    source = Path(cache_samba.__file__).read_text()[:1200]
     ids = tokenizer(source + "\n\n# The same file again:\n" + source[:300], return_tensors="pt").input_ids
     with torch.no_grad():
         expected = model.generate(ids, max_new_tokens=100, do_sample=False)
@@ -205,7 +217,9 @@ def test_the_embedded_default_quotes_its_prompt_with_the_greedy_tokens(spy):
 
 def test_a_static_cache_is_refused_in_one_line():
     model = tiny_model(seed=11)
-    with pytest.raises(ValueError, match=r"^Assisted generation .* static cache cannot do: leave out cache_implementation"):
+    with pytest.raises(
+        ValueError, match=r"^Assisted generation .* static cache cannot do: leave out cache_implementation"
+    ):
         greedy(model, repetitive_prompt(97), prompt_lookup_num_tokens=3, cache_implementation="static")
 
 

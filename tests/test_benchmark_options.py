@@ -11,14 +11,21 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "run_benchmarks.py"
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--dtypes", "float33"], "--dtypes: float33 is not float32, bfloat16 or float16"),
-    (["--prefill-limits", "mistral=abc"], "give MODEL=TOKENS pairs"),
-    (["--models", "samba,gpt"], "unknown model 'gpt'"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--dtypes", "float33"], "--dtypes: float33 is not float32, bfloat16 or float16"),
+        (["--prefill-limits", "mistral=abc"], "give MODEL=TOKENS pairs"),
+        (["--models", "samba,gpt"], "unknown model 'gpt'"),
+    ],
+)
 def test_mistaken_options_end_in_one_error(tmp_path, arguments, message):
-    result = subprocess.run([sys.executable, str(SCRIPT), *arguments, "--out", str(tmp_path / "out")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *arguments, "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()  # nothing measured, nothing written
 
@@ -26,12 +33,18 @@ def test_mistaken_options_end_in_one_error(tmp_path, arguments, message):
 SERVING = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_serving.py"
 
 
-@pytest.mark.parametrize("arguments, message", [
-    ([], "--vllm-python is required"),
-    (["--vllm-python", "/no/such/python"], "--vllm-python /no/such/python: no such program"),
-    (["--vllm-python", sys.executable, "--requests", "0"], "--requests must be at least 1"),
-    (["--vllm-python", sys.executable, "--out", "/no/such/folder/out.json"], "the folder /no/such/folder does not"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ([], "--vllm-python is required"),
+        (["--vllm-python", "/no/such/python"], "--vllm-python /no/such/python: no such program"),
+        (["--vllm-python", sys.executable, "--requests", "0"], "--requests must be at least 1"),
+        (
+            ["--vllm-python", sys.executable, "--out", "/no/such/folder/out.json"],
+            "the folder /no/such/folder does not",
+        ),
+    ],
+)
 def test_the_serving_benchmark_refuses_mistaken_options(arguments, message):
     result = subprocess.run([sys.executable, str(SERVING), *arguments], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
@@ -40,13 +53,16 @@ def test_the_serving_benchmark_refuses_mistaken_options(arguments, message):
 DECODE = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_speed.py"
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--dtypes", "float33"], "--dtypes: float33 is not float32, bfloat16 or float16"),
-    (["--contexts", "1K"], "--contexts: give token counts separated by commas, got '1K'"),
-    (["--contexts", "0"], "--contexts must be at least 1 token each"),
-    (["--steps", "0"], "--steps and --repeats must be at least 1"),
-    (["--out", "/no/such/folder/out.json"], "--out: the folder /no/such/folder does not exist"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--dtypes", "float33"], "--dtypes: float33 is not float32, bfloat16 or float16"),
+        (["--contexts", "1K"], "--contexts: give token counts separated by commas, got '1K'"),
+        (["--contexts", "0"], "--contexts must be at least 1 token each"),
+        (["--steps", "0"], "--steps and --repeats must be at least 1"),
+        (["--out", "/no/such/folder/out.json"], "--out: the folder /no/such/folder does not exist"),
+    ],
+)
 def test_the_decode_benchmark_refuses_mistaken_options(arguments, message):
     result = subprocess.run([sys.executable, str(DECODE), *arguments], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
@@ -57,8 +73,10 @@ FIXTURES = Path(__file__).resolve().parents[1] / "vllm_plugin" / "tests" / "make
 
 def test_the_plugin_fixtures_script_writes_nothing_over_what_it_did_not_write(tmp_path):
     """make_fixtures.py OUT: no OUT, a file, a folder of someone else's: one error each, nothing touched."""
-    run = lambda *args: subprocess.run([sys.executable, str(FIXTURES), *args], capture_output=True, text=True,
-                                       timeout=120)
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(FIXTURES), *args], capture_output=True, text=True, timeout=120)
+
     result = run()
     assert result.returncode == 1 and "usage: python vllm_plugin/tests/make_fixtures.py OUT" in result.stderr
     (tmp_path / "a-file").write_text("mine")
@@ -75,19 +93,26 @@ def test_the_plugin_fixtures_script_writes_nothing_over_what_it_did_not_write(tm
 SAMBAY = Path(__file__).resolve().parents[1] / "benchmarks" / "sambay_full_size.py"
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--models", "sambay,gpt"], "--models sambay,gpt: 'gpt' is not one of sambay, llama"),
-    (["--release-config", "/no/such/config.json"], "--release-config /no/such/config.json: no such file"),
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--decode", "1K"], "--decode: give token counts of at least 1, separated by commas, got '1K'"),
-    (["--prefill", "0"], "--prefill: give token counts of at least 1"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--models", "sambay,gpt"], "--models sambay,gpt: 'gpt' is not one of sambay, llama"),
+        (["--release-config", "/no/such/config.json"], "--release-config /no/such/config.json: no such file"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--decode", "1K"], "--decode: give token counts of at least 1, separated by commas, got '1K'"),
+        (["--prefill", "0"], "--prefill: give token counts of at least 1"),
+    ],
+)
 def test_the_full_size_sambay_benchmark_refuses_mistaken_options(tmp_path, arguments, message):
     """Refused before the matmul timing and before any model is built (each would take minutes)."""
     config = tmp_path / "config.json"
     config.write_text("{}")
-    result = subprocess.run([sys.executable, str(SAMBAY), "--release-config", str(config), *arguments, "--out",
-                             str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(SAMBAY), "--release-config", str(config), *arguments, "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
 
@@ -97,12 +122,14 @@ CACHE_SIZE = Path(__file__).resolve().parents[1] / "benchmarks" / "cache_size.py
 
 def test_the_cache_size_script_refuses_a_file_as_its_folder_and_writes_its_table(tmp_path):
     (tmp_path / "file").write_text("mine")
-    result = subprocess.run([sys.executable, str(CACHE_SIZE), "--out", str(tmp_path / "file")], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(CACHE_SIZE), "--out", str(tmp_path / "file")], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2 and "--out" in result.stderr and "is a file" in result.stderr
     assert (tmp_path / "file").read_text() == "mine"
-    result = subprocess.run([sys.executable, str(CACHE_SIZE), "--out", str(tmp_path / "out")], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(CACHE_SIZE), "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     table = json.loads((tmp_path / "out" / "cache_size.json").read_text())["cache_MiB"]
     assert len(set(table["Samba-421M"])) == 1  # flat: the same bytes at 1K and at 1M tokens
@@ -112,8 +139,21 @@ def test_the_cache_size_script_refuses_a_file_as_its_folder_and_writes_its_table
 
 
 GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
-SMOKE = ["--smoke", "--prefill", "32,64", "--decode", "24,40", "--batch", "2", "--steps", "2", "--train", "32",
-         "--graphs-max-context", "24"]
+SMOKE = [
+    "--smoke",
+    "--prefill",
+    "32,64",
+    "--decode",
+    "24,40",
+    "--batch",
+    "2",
+    "--steps",
+    "2",
+    "--train",
+    "32",
+    "--graphs-max-context",
+    "24",
+]
 
 
 def test_the_gpu_script_refuses_a_wrong_stage_a_missing_bundle_and_a_machine_without_a_gpu(tmp_path):
@@ -121,11 +161,18 @@ def test_the_gpu_script_refuses_a_wrong_stage_a_missing_bundle_and_a_machine_wit
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_run.sh"
     bundle = tmp_path / "bundle"
     bundle.mkdir()
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "BUNDLE": str(bundle),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # python3: this CPU-only torch
-    cases = [(["tests"], "the stage is pip, kernels, bench, bench-kernels or nothing (all), not tests"),  # the old name
-             (["pip"], f"no wheels in {bundle}"),
-             (["pip"], "sees no CUDA GPU here")]
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path / "out"),
+        "WORK": str(tmp_path / "work"),
+        "BUNDLE": str(bundle),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }  # python3: this CPU-only torch
+    cases = [
+        (["tests"], "the stage is pip, kernels, bench, bench-kernels or nothing (all), not tests"),  # the old name
+        (["pip"], f"no wheels in {bundle}"),
+        (["pip"], "sees no CUDA GPU here"),
+    ]
     for number, (argv, said) in enumerate(cases):
         if number == 2:
             (bundle / "transformers-5.24.0-py3-none-any.whl").write_bytes(b"")
@@ -139,27 +186,34 @@ def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
     """--smoke: the whole of benchmarks/gpu.py on tiny models on the CPU (the GPU machine's time is too short to find
     a bug in the script there), then its plot of the JSON."""
     out = tmp_path / "run.json"
-    result = subprocess.run([sys.executable, str(GPU), *SMOKE, "--out", str(out)], capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(GPU), *SMOKE, "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run = json.loads(out.read_text())
     assert set(run["models"]) == {"Samba-1.3B", "Llama-1.3B", "Mamba-2-Hybrid", "NemotronH"}
     assert run["label"] == "torch" and run["kernels"]["selective_scan_fn"] is False  # nothing installed here
     assert set(run["sliding_attention"]) == {"32", "64"}
-    assert all(row["window_keys_per_s"] > 0 and row["full_causal_keys_per_s"] > 0
-               for row in run["sliding_attention"].values())
+    assert all(
+        row["window_keys_per_s"] > 0 and row["full_causal_keys_per_s"] > 0 for row in run["sliding_attention"].values()
+    )
     assert all(row["conv1d_seconds"] > 0 and row["shifted_adds_seconds"] > 0 for row in run["mamba_conv"].values())
     # the scans: the one path a CPU without Triton has, forward at each length and with its backward at the longest
     assert set(run["mamba_scan"]) == {"32", "64"}
     for kind in ("samba", "mamba2"):
-        assert all(row[f"{kind}_pytorch_seconds"] > 0 and f"{kind}_triton_seconds" not in row
-                   for row in run["mamba_scan"].values()), kind
+        assert all(
+            row[f"{kind}_pytorch_seconds"] > 0 and f"{kind}_triton_seconds" not in row
+            for row in run["mamba_scan"].values()
+        ), kind
         assert run["mamba_scan"]["64"][f"{kind}_pytorch_train_seconds"] > 0
     assert "Triton scan is not available" in run["scan_configs"]["skipped"]  # (timed under the interpreter in CI)
     for name, row in run["models"].items():
         assert set(row["prefill"]) == {"32", "64"} and set(row["decode"]) == {"24x1", "24x2", "40x1", "40x2"}, name
-        measured = [*row["prefill"].values(), *row["train"].values(),
-                    *(mode for entry in row["decode"].values() for mode in entry.values())]
+        measured = [
+            *row["prefill"].values(),
+            *row["train"].values(),
+            *(mode for entry in row["decode"].values() for mode in entry.values()),
+        ]
         assert all(m.get("tokens_per_s", 0) > 0 for m in measured), (name, measured)
         assert "graphs" in row["decode"]["24x2"] and "graphs" not in row["decode"]["40x1"]  # --graphs-max-context
         # the compiled step's own time where generate compiled it, and the yardstick: the weights read once
@@ -167,19 +221,25 @@ def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
         assert (graphs["forward_ms"] > 0) if graphs["compiled"] else graphs["forward_ms"] is None, (name, graphs)
         assert 0 < row["weights_read"]["weights_read_ms"] and row["weights_read"]["weights_gib"] > 0, name
         # transformers' models are also timed with sdpa kept off cuDNN (as samba-hf's are over a cache)
-        assert all(("eager_no_cudnn" in entry) == (name in ("Llama-1.3B", "NemotronH"))
-                   for entry in row["decode"].values()), name
+        assert all(
+            ("eager_no_cudnn" in entry) == (name in ("Llama-1.3B", "NemotronH")) for entry in row["decode"].values()
+        ), name
         assert row["decode_profile"]["ops_per_step"] > 10 and row["decode_profile"]["ms_per_step_cpu_by_op"], name
         # which attention kernels a step took (every one of these models has attention layers)
         assert any("attention" in op for op, *_ in row["decode_profile"]["attention_ops_per_step"]), name
-    shown = subprocess.run([sys.executable, str(GPU), "--table", str(out)], capture_output=True, text=True,
-                           timeout=300)
+    shown = subprocess.run(
+        [sys.executable, str(GPU), "--table", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert shown.returncode == 0, shown.stderr[-2000:]
     rows = [line for line in shown.stdout.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 4 and "x)" in rows[1]  # a heading and the four models; Samba's ratio to Llama
     figure = tmp_path / "figure.png"
-    drawn = subprocess.run([sys.executable, str(GPU), "--plot", str(out), "--plot-out", str(figure)],
-                           capture_output=True, text=True, timeout=300)
+    drawn = subprocess.run(
+        [sys.executable, str(GPU), "--plot", str(out), "--plot-out", str(figure)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert drawn.returncode == 0 and figure.read_bytes()[:4] == b"\x89PNG", drawn.stderr[-2000:]
 
 
@@ -205,31 +265,36 @@ def test_the_gpu_benchmark_keeps_nemotron_h_on_its_torch_path_with_kernels_trito
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     taken = {}
     for mode in ("keep", "hide"):
-        result = subprocess.run([sys.executable, "-c", probe, str(GPU), mode], capture_output=True, text=True,
-                                env=env, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-c", probe, str(GPU), mode], capture_output=True, text=True, env=env, timeout=300
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         taken[mode] = result.stdout.split()
     assert taken == {"keep": ["True", "True"], "hide": ["False", "False"]}
 
 
 def test_the_gpu_benchmark_says_in_one_line_that_there_is_no_gpu(tmp_path):
-    result = subprocess.run([sys.executable, str(GPU), "--out", str(tmp_path / "run.json")], capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(GPU), "--out", str(tmp_path / "run.json")], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "no CUDA GPU on this machine" in result.stderr
     assert not (tmp_path / "run.json").exists()
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--models", "Samba-1.3B,GPT"], "--models takes names from"),
-    (["--prefill", "2k"], "--prefill takes comma-separated token counts"),
-    (["--decode", "0"], "--decode takes positive token counts"),
-    (["--steps", "1"], "--steps 2 or more"),
-    (["--plot", "/no/such/run.json"], "--plot: no such file: /no/such/run.json"),
-    (["--table", "/no/such/run.json"], "--table: no such file: /no/such/run.json"),
-    (["--kernels", "mamba"], "argument --kernels: invalid choice"),
-    (["--out", "."], "--out . is a folder"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--models", "Samba-1.3B,GPT"], "--models takes names from"),
+        (["--prefill", "2k"], "--prefill takes comma-separated token counts"),
+        (["--decode", "0"], "--decode takes positive token counts"),
+        (["--steps", "1"], "--steps 2 or more"),
+        (["--plot", "/no/such/run.json"], "--plot: no such file: /no/such/run.json"),
+        (["--table", "/no/such/run.json"], "--table: no such file: /no/such/run.json"),
+        (["--kernels", "mamba"], "argument --kernels: invalid choice"),
+        (["--out", "."], "--out . is a folder"),
+    ],
+)
 def test_the_gpu_benchmark_refuses_mistaken_options(arguments, message):
     result = subprocess.run([sys.executable, str(GPU), *arguments], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import returned_cache, tiny_model
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from samba_hf.cache_samba import CACHE_NAME
-
-from conftest import returned_cache, tiny_model
 
 LAYOUTS = {
     "samba": None,  # Mamba on even, sliding attention on odd layers
@@ -135,8 +134,9 @@ def test_left_padded_batch_continues_from_cache():
         for t in range(5):
             mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
             pos = pos[:, -1:] + 1
-            steps.append(model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache,
-                               use_cache=True).logits)
+            steps.append(
+                model(nxt[:, t : t + 1], attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
+            )
         decoded = torch.cat(steps, dim=1)
         for row, seq in enumerate(seqs):
             alone = model(torch.cat([seq, nxt[row]])[None]).logits[0, -5:]
@@ -152,6 +152,7 @@ def test_inference_chunks_on_a_gpu_are_at_least_64k_tokens():
     model = tiny_model(seed=2)
     assert model.config.inference_chunk_size == 4096
     with torch.no_grad():
+
         def chunk(length, cuda):
             return model.model._inference_chunk(SimpleNamespace(shape=(1, length, 32), is_cuda=cuda), None, None, {})
 
@@ -173,7 +174,9 @@ def test_inference_chunking_equals_one_pass(layout, monkeypatch):
         model.config.inference_chunk_size = 7
         calls = []
         original = type(model.model)._run_layers
-        monkeypatch.setattr(type(model.model), "_run_layers", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+        monkeypatch.setattr(
+            type(model.model), "_run_layers", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+        )
         chunked = model(ids, use_cache=True)
         assert len(calls) == 7  # 45 tokens in chunks of 7
         assert (whole.logits - chunked.logits).abs().max() <= 1e-4
@@ -202,7 +205,10 @@ def test_the_in_place_window_returns_what_transformers_layer_returns_without_cop
     seeds = []
     seed = SambaSlidingWindowLayer._seed
     monkeypatch.setattr(SambaSlidingWindowLayer, "_seed", lambda self: (seeds.append(self.keys.shape[-2]), seed(self)))
-    kv = lambda n: (torch.randn(3, 2, n, 4, generator=g), torch.randn(3, 2, n, 4, generator=g))
+
+    def kv(n):
+        return torch.randn(3, 2, n, 4, generator=g), torch.randn(3, 2, n, 4, generator=g)
+
     prompt, reorder_at, long_step_at = 5, 2 * window, 2 * window + 4
     steps = [prompt] + [1] * (long_step_at - 1) + [slack + 1] + [1] * window
     for i, n in enumerate(steps):
@@ -225,8 +231,12 @@ def test_the_in_place_window_returns_what_transformers_layer_returns_without_cop
 STATIC_ROOM = {
     "sliding window 8": (dict(), 7, 8, r"layer 1 \(sliding-window attention\)"),
     "sliding window 64": (dict(sliding_window=64), 14, 15, r"layer 1 \(sliding-window attention\)"),
-    "full attention": (dict(layer_types=["linear_attention", "full_attention"] * 2), 14, 15,
-                       r"layer 1 \(full attention\)"),
+    "full attention": (
+        dict(layer_types=["linear_attention", "full_attention"] * 2),
+        14,
+        15,
+        r"layer 1 \(full attention\)",
+    ),
 }
 
 
@@ -238,16 +248,22 @@ def test_generate_refuses_a_static_cache_too_small_for_the_prompt_and_new_tokens
     overrides, too_small, needed, layer = STATIC_ROOM[layout]
     model, ids = tiny_model(**overrides), torch.randint(3, 97, (1, 6))
     options = dict(max_new_tokens=10, do_sample=False)
-    with pytest.raises(ValueError, match=rf"^The StaticCache keeps {too_small} positions at {layer}, but this generate "
-                                         rf"needs {needed}: it writes 15 \(the prompt and max_new_tokens.*"
-                                         r"StaticCache\(config=model.config, max_cache_len=15\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^The StaticCache keeps {too_small} positions at {layer}, but this generate "
+        rf"needs {needed}: it writes 15 \(the prompt and max_new_tokens.*"
+        r"StaticCache\(config=model.config, max_cache_len=15\)",
+    ):
         model.generate(ids, **{CACHE_NAME: StaticCache(config=model.config, max_cache_len=too_small)}, **options)
     enough = StaticCache(config=model.config, max_cache_len=needed)
     assert torch.equal(model.generate(ids, **{CACHE_NAME: enough}, **options), model.generate(ids, **options))
 
 
-@pytest.mark.skipif(CACHE_NAME == "past_key_values", reason="transformers 5.23's generate asks a static cache of "
-                    "Mamba layers only for a sequence length, which it does not keep, and fails")
+@pytest.mark.skipif(
+    CACHE_NAME == "past_key_values",
+    reason="transformers 5.23's generate asks a static cache of "
+    "Mamba layers only for a sequence length, which it does not keep, and fails",
+)
 def test_a_static_cache_of_any_size_is_enough_for_mamba_layers():
     model, ids = tiny_model(layer_types=["linear_attention"] * 4), torch.randint(3, 97, (1, 6))
     options = dict(max_new_tokens=10, do_sample=False)

@@ -8,12 +8,11 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from samba_hf.cli import default_model_path
 from samba_hf_cli import main
-
-from conftest import tiny_model
 
 
 def run_cli(*args):
@@ -40,7 +39,9 @@ def test_compile_gives_the_eager_text_and_says_it_compiled():
     assert compiled.returncode == 0 and eager.returncode == 0, compiled.stderr + eager.stderr
     assert compiled.stdout == eager.stdout and len(compiled.stdout) > 300
     assert "compiling the decoding step" in compiled.stderr and "--compile in" not in compiled.stderr
-    assert re.search(r"tokens/s per step \(median\) after compiling, which took \d+ s, cpu, float32\)", compiled.stderr)
+    assert re.search(
+        r"tokens/s per step \(median\) after compiling, which took \d+ s, cpu, float32\)", compiled.stderr
+    )
 
 
 def test_compile_says_before_compiling_how_long_it_takes_and_in_bfloat16_that_the_text_can_differ(capsys):
@@ -62,11 +63,18 @@ def test_compile_without_a_cpp_compiler_decodes_eagerly_with_one_line(tmp_path):
     compiler before anything compiles, and --compile says so in one line and decodes eagerly (today's alternative: a
     95-line inductor traceback at the first decoding step)."""
     args = ("generate", "The history of", "--max-new-tokens", "8", "--dtype", "float32")
-    result = subprocess.run([sys.executable, "-m", "samba_hf_cli", *args, "--compile"], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "CXX": str(tmp_path / "no-such-g++")})
+    result = subprocess.run(
+        [sys.executable, "-m", "samba_hf_cli", *args, "--compile"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CXX": str(tmp_path / "no-such-g++")},
+    )
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     notes = [line for line in result.stderr.splitlines() if "--compile" in line]
-    assert len(notes) == 1 and "no working C++ compiler" in notes[0] and "decoding without compiling" in notes[0], notes
+    assert len(notes) == 1 and "no working C++ compiler" in notes[0] and "decoding without compiling" in notes[0], (
+        notes
+    )
     assert "8 new tokens" in result.stderr and "after compiling" not in result.stderr
     assert result.stdout == run_cli(*args).stdout
 
@@ -74,7 +82,10 @@ def test_compile_without_a_cpp_compiler_decodes_eagerly_with_one_line(tmp_path):
 def test_sampling_with_a_seed_is_reproducible(capsys):
     outputs = []
     for seed in (1, 1, 2):
-        assert main(["generate", "abc", "--do-sample", "--seed", str(seed), "--max-new-tokens", "16", "--top-k", "0"]) == 0
+        assert (
+            main(["generate", "abc", "--do-sample", "--seed", str(seed), "--max-new-tokens", "16", "--top-k", "0"])
+            == 0
+        )
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1] and outputs[0] != outputs[2]
 
@@ -105,7 +116,8 @@ def test_every_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "Without --model, generate and eval phonebook / perplexity run the embedded default model" in " ".join(
-        capsys.readouterr().out.split())
+        capsys.readouterr().out.split()
+    )
     seen = 0
     for parser in parsers(build_parser()):
         text = " ".join(parser.format_help().split())
@@ -115,13 +127,17 @@ def test_every_help_shows_the_defaults(capsys):
             assert action.help, f"{parser.prog} {action.option_strings[0]} has no help text"
             if action.default is not None and action.default is not False:
                 assert f"default: {action.default})" in text or f"default {action.default}" in text, (
-                    parser.prog, action.option_strings[0])
+                    parser.prog,
+                    action.option_strings[0],
+                )
                 seen += 1
     assert seen > 20
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
-    assert ("--max-new-tokens MAX_NEW_TOKENS the most tokens to generate after the prompt (fewer if the model ends its "
-            "text) (default: 64)") in " ".join(capsys.readouterr().out.split())
+    assert (
+        "--max-new-tokens MAX_NEW_TOKENS the most tokens to generate after the prompt (fewer if the model ends its "
+        "text) (default: 64)"
+    ) in " ".join(capsys.readouterr().out.split())
 
 
 def test_missing_folder(capsys, tmp_path):
@@ -150,8 +166,14 @@ def test_empty_prompt(capsys):
 
 def test_prompt_too_long_for_full_attention_layers(capsys, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    model = tiny_model(layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=32,
-                       vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    model = tiny_model(
+        layer_types=["linear_attention", "full_attention"] * 2,
+        max_position_embeddings=32,
+        vocab_size=len(tokenizer),
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     long_prompt = " ".join(["statement"] * 40)
@@ -169,14 +191,17 @@ def test_long_prompt_goes_through_chunked_prefill(capsys):
 
 
 # --dtype auto: decided from what the machine is (its instruction set), never from a timing
-@pytest.mark.parametrize("machine, avx512_bf16, amx, features, expected", [
-    ("x86_64", False, False, "", torch.float32),       # no native bf16: PyTorch would emulate it, 6-9x slower
-    ("x86_64", True, False, "", torch.bfloat16),       # AVX512-BF16
-    ("x86_64", False, True, "", torch.bfloat16),       # AMX
-    ("aarch64", False, False, "fp asimd sve", torch.float32),
-    ("aarch64", False, False, "fp asimd sve bf16", torch.bfloat16),  # Arm's BF16 extension
-    ("riscv64", True, True, "", torch.float32),        # anything else: float32
-])
+@pytest.mark.parametrize(
+    "machine, avx512_bf16, amx, features, expected",
+    [
+        ("x86_64", False, False, "", torch.float32),  # no native bf16: PyTorch would emulate it, 6-9x slower
+        ("x86_64", True, False, "", torch.bfloat16),  # AVX512-BF16
+        ("x86_64", False, True, "", torch.bfloat16),  # AMX
+        ("aarch64", False, False, "fp asimd sve", torch.float32),
+        ("aarch64", False, False, "fp asimd sve bf16", torch.bfloat16),  # Arm's BF16 extension
+        ("riscv64", True, True, "", torch.float32),  # anything else: float32
+    ],
+)
 def test_auto_dtype_follows_the_instruction_set(monkeypatch, tmp_path, machine, avx512_bf16, amx, features, expected):
     import builtins
     import platform
@@ -189,7 +214,9 @@ def test_auto_dtype_follows_the_instruction_set(monkeypatch, tmp_path, machine, 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nFeatures\t: {features}\n")
     real_open = builtins.open
-    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+    monkeypatch.setattr(
+        builtins, "open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k)
+    )
     monkeypatch.setattr(torch.nn.functional, "linear", None)  # nothing is timed: a product would fail here
     assert cli.resolve_dtype("auto", torch.device("cpu")) == expected
     assert cli.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
@@ -203,9 +230,23 @@ def test_the_same_command_gives_the_same_text_and_says_which_dtype(tmp_path):
 
     import samba_hf.cli as cli
 
-    runs = [subprocess.run([sys.executable, "-c", "import sys; from samba_hf_cli import main; sys.exit(main())",
-                            "generate", "The history of", "--max-new-tokens", "40"],
-                           capture_output=True, text=True, check=True) for _ in range(3)]
+    runs = [
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from samba_hf_cli import main; sys.exit(main())",
+                "generate",
+                "The history of",
+                "--max-new-tokens",
+                "40",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        for _ in range(3)
+    ]
     assert runs[0].stdout.startswith("The history of") and len(runs[0].stdout) > len("The history of") + 20
     assert all(run.stdout == runs[0].stdout for run in runs)
     dtype, why = cli.auto_dtype(torch.device("cpu"))
@@ -214,8 +255,10 @@ def test_the_same_command_gives_the_same_text_and_says_which_dtype(tmp_path):
 
 
 def test_the_commands_module_does_not_import_the_entry_point_back():
-    """samba_hf_cli (parsing, stdlib only) imports samba_hf.cli (the commands) once a command runs; never the reverse."""
-    code = ("import sys, samba_hf.cli; assert 'samba_hf_cli' not in sys.modules, 'cycle'; "
-            "import samba_hf_cli; print('ok')")
+    """samba_hf_cli (parsing, stdlib only) imports samba_hf.cli (the commands) once a command runs; never the
+    reverse."""
+    code = (
+        "import sys, samba_hf.cli; assert 'samba_hf_cli' not in sys.modules, 'cycle'; import samba_hf_cli; print('ok')"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr

@@ -42,7 +42,7 @@ def test_no_modules_import_each_other():
         state[module] = "open"
         for imported in sorted(graph[module]):
             if state.get(imported) == "open":
-                cycles.append(path[path.index(imported):] + [imported])
+                cycles.append(path[path.index(imported) :] + [imported])
             elif imported not in state:
                 visit(imported, path + [imported])
         state[module] = "done"
@@ -56,6 +56,10 @@ def test_no_modules_import_each_other():
 def test_the_code_names_no_machine_and_no_date():
     """Measurements belong in docs/ with their machine, date and command; the code says what and why."""
     pattern = re.compile(r"\b(H100|H200|A100|EPYC|Xeon)\b|\b20\d\d-\d\d-\d\d\b")
-    found = [f"{path.name}:{number}: {line.strip()}" for path in SOURCES
-             for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    found = [
+        f"{path.name}:{number}: {line.strip()}"
+        for path in SOURCES
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not found, found

@@ -36,7 +36,12 @@ def test_presets_have_their_advertised_size(name, low, high):
 
 def test_preset_1_3b_shapes():
     config = SambaConfig.from_preset("samba-1.3b")
-    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim) == (18, 2304, 18, 128)
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.head_dim) == (
+        18,
+        2304,
+        18,
+        128,
+    )
     assert config.mamba_dt_rank == 144
 
 
@@ -49,7 +54,10 @@ def test_preset_overrides_and_unknown_name():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3), "has 3 entries but `num_hidden_layers` is 4"),
+        (
+            dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3),
+            "has 3 entries but `num_hidden_layers` is 4",
+        ),
         (dict(num_hidden_layers=2, layer_types=["mamba", "sliding_attention"]), r"contains \['mamba'\]"),
         (dict(num_attention_heads=12, num_key_value_heads=5), "must be a multiple of `num_key_value_heads`"),
         (dict(hidden_size=100, num_attention_heads=12, head_dim=None), "not divisible by `num_attention_heads`"),
@@ -66,8 +74,14 @@ def test_invalid_configs_name_the_field(kwargs, message):
 
 
 def test_all_mamba_config_needs_no_attention_fields():
-    config = SambaConfig(num_hidden_layers=2, layer_types=["linear_attention"] * 2, num_attention_heads=12,
-                         num_key_value_heads=5, sliding_window=None, intermediate_size=0)
+    config = SambaConfig(
+        num_hidden_layers=2,
+        layer_types=["linear_attention"] * 2,
+        num_attention_heads=12,
+        num_key_value_heads=5,
+        sliding_window=None,
+        intermediate_size=0,
+    )
     assert config.layer_types == ["linear_attention"] * 2
 
 
@@ -84,8 +98,11 @@ def test_auto_classes_know_samba(tmp_path):
 @pytest.mark.parametrize("layers", [6, 12, 3])
 def test_pattern_and_a_num_hidden_layers_that_disagree_are_refused(layers):
     # 12 is the old default: an explicit 12 is refused too, not taken for "not given"
-    with pytest.raises(ValueError, match=rf"`hybrid_override_pattern` 'M\*M-' has 4 layers but `num_hidden_layers` is "
-                                         rf"{layers}: the pattern gives the layer count"):
+    with pytest.raises(
+        ValueError,
+        match=rf"`hybrid_override_pattern` 'M\*M-' has 4 layers but `num_hidden_layers` is "
+        rf"{layers}: the pattern gives the layer count",
+    ):
         SambaConfig(hybrid_override_pattern="M*M-", num_hidden_layers=layers)
 
 

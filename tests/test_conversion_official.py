@@ -14,12 +14,11 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_reference_models import float64_recurrence
+from test_save_load import assert_loads_without_the_package
 
 from samba_hf import SambaConfig, SambaForCausalLM
 from samba_hf.conversion import ConversionError, convert, export_lit_gpt, lit_gpt, writer
-
-from test_reference_models import float64_recurrence
-from test_save_load import assert_loads_without_the_package
 
 VOCAB, HIDDEN, HEAD, D_STATE, D_CONV = 100, 96, 8, 16, 4
 
@@ -36,21 +35,45 @@ def true_model(layer_kinds, heads=12, kv_heads=4, mlp=64, hidden=HIDDEN, vocab=1
     inner, rank = 2 * hidden, math.ceil(hidden / 16)
     layers = []
     for kind in layer_kinds:
-        layer = {"kind": kind, "norm1": 1 + rand(hidden), "norm2": 1 + rand(hidden),
-                 "gate": rand(mlp, hidden), "up": rand(mlp, hidden), "down": rand(hidden, mlp)}
+        layer = {
+            "kind": kind,
+            "norm1": 1 + rand(hidden),
+            "norm2": 1 + rand(hidden),
+            "gate": rand(mlp, hidden),
+            "up": rand(mlp, hidden),
+            "down": rand(hidden, mlp),
+        }
         if kind == "mamba":
-            layer.update(in_proj=rand(2 * inner, hidden), conv_w=rand(inner, 1, D_CONV), conv_b=rand(inner),
-                         x_proj=rand(rank + 2 * D_STATE, inner), dt_w=rand(inner, rank), dt_b=rand(inner) - 3,
-                         A_log=torch.log(torch.arange(1, D_STATE + 1, dtype=torch.float64)).repeat(inner, 1)
-                         + rand(inner, D_STATE, scale=0.1),
-                         D=1 + rand(inner), out_proj=rand(hidden, inner))
+            layer.update(
+                in_proj=rand(2 * inner, hidden),
+                conv_w=rand(inner, 1, D_CONV),
+                conv_b=rand(inner),
+                x_proj=rand(rank + 2 * D_STATE, inner),
+                dt_w=rand(inner, rank),
+                dt_b=rand(inner) - 3,
+                A_log=torch.log(torch.arange(1, D_STATE + 1, dtype=torch.float64)).repeat(inner, 1)
+                + rand(inner, D_STATE, scale=0.1),
+                D=1 + rand(inner),
+                out_proj=rand(hidden, inner),
+            )
         else:
-            layer.update(q=rand(heads * HEAD, hidden), k=rand(kv_heads * HEAD, hidden), v=rand(kv_heads * HEAD, hidden),
-                         o=rand(hidden, heads * HEAD))
+            layer.update(
+                q=rand(heads * HEAD, hidden),
+                k=rand(kv_heads * HEAD, hidden),
+                v=rand(kv_heads * HEAD, hidden),
+                o=rand(hidden, heads * HEAD),
+            )
         layers.append(layer)
     embed = rand(vocab, hidden, scale=0.3)  # logits of a few units: float32 keeps 1e-4 absolute
-    return {"embed": embed, "head": embed if tied else rand(vocab, hidden, scale=0.3), "norm": 1 + rand(hidden),
-            "layers": layers, "heads": heads, "kv_heads": kv_heads, "tied": tied}
+    return {
+        "embed": embed,
+        "head": embed if tied else rand(vocab, hidden, scale=0.3),
+        "norm": 1 + rand(hidden),
+        "layers": layers,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "tied": tied,
+    }
 
 
 def rms(x, w, eps=1e-5):
@@ -74,12 +97,16 @@ def float64_forward(model, ids, window=None, rope=True):
         if layer["kind"] == "mamba":
             inner, rank = layer["D"].shape[0], layer["dt_w"].shape[1]
             u, z = (h @ layer["in_proj"].T).split(inner, dim=-1)
-            u = F.silu(F.conv1d(u.transpose(1, 2), layer["conv_w"], layer["conv_b"], padding=D_CONV - 1,
-                                groups=inner)[..., :t].transpose(1, 2))
+            u = F.silu(
+                F.conv1d(u.transpose(1, 2), layer["conv_w"], layer["conv_b"], padding=D_CONV - 1, groups=inner)[
+                    ..., :t
+                ].transpose(1, 2)
+            )
             dt, B, C = (u @ layer["x_proj"].T).split([rank, D_STATE, D_STATE], dim=-1)
             dt = F.softplus(dt @ layer["dt_w"].T + layer["dt_b"])
-            y, _ = float64_recurrence(u, dt, -torch.exp(layer["A_log"]), B, C, layer["D"], z,
-                                      torch.zeros(b, inner, D_STATE))
+            y, _ = float64_recurrence(
+                u, dt, -torch.exp(layer["A_log"]), B, C, layer["D"], z, torch.zeros(b, inner, D_STATE)
+            )
             h = y @ layer["out_proj"].T
         else:
             q = (h @ layer["q"].T).view(b, t, -1, HEAD).transpose(1, 2)
@@ -104,20 +131,37 @@ def float64_forward(model, ids, window=None, rope=True):
 
 def mamba_tensors(layer, prefix):
     """A Mamba mixer's tensors under `prefix`: the same names (mamba-ssm's) in the official code and in FLA."""
-    names = {"in_proj.weight": "in_proj", "conv1d.weight": "conv_w", "conv1d.bias": "conv_b", "x_proj.weight": "x_proj",
-             "dt_proj.weight": "dt_w", "dt_proj.bias": "dt_b", "A_log": "A_log", "D": "D", "out_proj.weight": "out_proj"}
+    names = {
+        "in_proj.weight": "in_proj",
+        "conv1d.weight": "conv_w",
+        "conv1d.bias": "conv_b",
+        "x_proj.weight": "x_proj",
+        "dt_proj.weight": "dt_w",
+        "dt_proj.bias": "dt_b",
+        "A_log": "A_log",
+        "D": "D",
+        "out_proj.weight": "out_proj",
+    }
     return {f"{prefix}.{name}": layer[key] for name, key in names.items()}
 
 
 def official_state_dict(model):
     """The official layout, built group by group: rows [q heads of group g, k_g, v_g] for each g."""
-    sd = {"transformer.wte.weight": model["embed"], "lm_head.weight": model["head"], "transformer.ln_f.weight": model["norm"]}
+    sd = {
+        "transformer.wte.weight": model["embed"],
+        "lm_head.weight": model["head"],
+        "transformer.ln_f.weight": model["norm"],
+    }
     q_per_kv = model["heads"] // model["kv_heads"]
     for i, layer in enumerate(model["layers"]):
         p = f"transformer.h.{i}"
-        sd |= {f"{p}.norm_1.weight": layer["norm1"], f"{p}.norm_2.weight": layer["norm2"],
-               f"{p}.mlp.swiglu.w1.weight": layer["gate"], f"{p}.mlp.swiglu.w2.weight": layer["up"],
-               f"{p}.mlp.swiglu.w3.weight": layer["down"]}
+        sd |= {
+            f"{p}.norm_1.weight": layer["norm1"],
+            f"{p}.norm_2.weight": layer["norm2"],
+            f"{p}.mlp.swiglu.w1.weight": layer["gate"],
+            f"{p}.mlp.swiglu.w2.weight": layer["up"],
+            f"{p}.mlp.swiglu.w3.weight": layer["down"],
+        }
         if layer["kind"] == "mamba":
             sd |= mamba_tensors(layer, f"{p}.attn")
         else:
@@ -133,8 +177,17 @@ def official_state_dict(model):
 
 
 def official_config(kv_heads=4, window=8, nope=False, layers=4):
-    return lit_gpt.config_from_name("Samba_421M", n_layer=layers, n_embd=HIDDEN, n_head=12, n_query_groups=kv_heads,
-                                    intermediate_size=64, vocab_size=VOCAB, local_window=window, nope=nope)
+    return lit_gpt.config_from_name(
+        "Samba_421M",
+        n_layer=layers,
+        n_embd=HIDDEN,
+        n_head=12,
+        n_query_groups=kv_heads,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        local_window=window,
+        nope=nope,
+    )
 
 
 def save_official(tmp_path, model, training_checkpoint=True, name="iter-000100-ckpt.pth"):
@@ -210,7 +263,9 @@ def test_official_configs_have_the_published_sizes():
     assert len(shapes) == 129  # the key count of an official Samba_421M checkpoint, both tied names included
     params = sum(math.prod(s) for name, s in shapes.items() if name != "lm_head.weight")
     assert params == 421_793_280
-    assert shapes["transformer.h.1.attn.attn.weight"] == (4608, 1536) and shapes["transformer.h.0.attn.x_proj.weight"] == (128, 3072)
+    assert shapes["transformer.h.1.attn.attn.weight"] == (4608, 1536) and shapes[
+        "transformer.h.0.attn.x_proj.weight"
+    ] == (128, 3072)
     mqa6 = lit_gpt.config_from_name("Samba_421M_mqa6")
     assert (mqa6.num_attention_heads, mqa6.num_key_value_heads, mqa6.head_dim) == (6, 1, 256)
     assert lit_gpt.config_from_name("Samba_421M_512_window").sliding_window == 512
@@ -248,8 +303,15 @@ def test_converted_folder_loads_through_its_own_code(tmp_path):
     umask = writer.current_umask()
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
     assert (tmp_path / "out" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
-    assert {"config.json", "generation_config.json", "README.md", "modeling_samba.py", "configuration_samba.py",
-            "ssm_samba.py", "model.safetensors"} <= files
+    assert {
+        "config.json",
+        "generation_config.json",
+        "README.md",
+        "modeling_samba.py",
+        "configuration_samba.py",
+        "ssm_samba.py",
+        "model.safetensors",
+    } <= files
     card = (tmp_path / "out" / "README.md").read_text()
     assert "lit-gpt" in card and "max |logit difference|" in card
     model = SambaForCausalLM.from_pretrained(tmp_path / "out")
@@ -282,7 +344,9 @@ def test_mismatched_config_lists_every_problem_at_once(tmp_path):
     message = str(error.value)
     assert "missing (105)" in message and "wrong shape (24)" in message
     assert "transformer.h.0.attn.in_proj.weight: checkpoint [384, 96], config expects [6144, 1536]" in message
-    assert "wrong config name" in message and "The checkpoint has 2 blocks and embeddings of shape [128, 96]" in message
+    assert (
+        "wrong config name" in message and "The checkpoint has 2 blocks and embeddings of shape [128, 96]" in message
+    )
     assert_nothing_written(tmp_path, tmp_path / "out")
 
 
@@ -291,8 +355,11 @@ def test_missing_and_unexpected_keys_are_named(tmp_path):
     sd.pop("transformer.h.1.attn.proj.weight")
     sd["transformer.h.0.attn.extra.weight"] = torch.zeros(2)
     torch.save(sd, tmp_path / "ckpt.pth")
-    with pytest.raises(ConversionError, match=r"(?s)missing \(1\): transformer.h.1.attn.proj.weight.*"
-                                              r"unexpected \(1\): transformer.h.0.attn.extra.weight"):
+    with pytest.raises(
+        ConversionError,
+        match=r"(?s)missing \(1\): transformer.h.1.attn.proj.weight.*"
+        r"unexpected \(1\): transformer.h.0.attn.extra.weight",
+    ):
         convert("lit-gpt", tmp_path / "ckpt.pth", tmp_path / "out", config=official_config(layers=2))
     assert_nothing_written(tmp_path, tmp_path / "out")
 
@@ -323,8 +390,16 @@ def test_pickled_code_is_never_run(tmp_path):
 def test_a_llama_checkpoint_passed_as_lit_gpt(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=12, num_key_value_heads=4))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=96,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+        )
+    )
     torch.save(llama.state_dict(), tmp_path / "llama.pth")
     with pytest.raises(ConversionError, match="not a official lit-gpt.*checkpoint \\(wrong source format\\)"):
         convert("lit-gpt", tmp_path / "llama.pth", tmp_path / "out", config=official_config(layers=2))
@@ -372,21 +447,47 @@ def save_fla(tmp_path, model, attn_layers, window=8, tie=False):
         sd["lm_head.weight"] = model["head"]
     for i, layer in enumerate(model["layers"]):
         p = f"backbone.layers.{i}"
-        sd |= {f"{p}.mixer_norm.weight": layer["norm1"], f"{p}.mlp_norm.weight": layer["norm2"],
-               f"{p}.mlp.gate_proj.weight": layer["gate"], f"{p}.mlp.up_proj.weight": layer["up"],
-               f"{p}.mlp.down_proj.weight": layer["down"]}
+        sd |= {
+            f"{p}.mixer_norm.weight": layer["norm1"],
+            f"{p}.mlp_norm.weight": layer["norm2"],
+            f"{p}.mlp.gate_proj.weight": layer["gate"],
+            f"{p}.mlp.up_proj.weight": layer["up"],
+            f"{p}.mlp.down_proj.weight": layer["down"],
+        }
         if layer["kind"] == "mamba":
             sd |= mamba_tensors(layer, f"{p}.mixer")
         else:
             sd |= {f"{p}.mixer.{n}_proj.weight": layer[n] for n in "qkvo"}
     save_file({k: v.float().contiguous() for k, v in sd.items()}, folder / "model.safetensors")
-    config = {"model_type": "samba", "architectures": ["SambaForCausalLM"], "hidden_size": HIDDEN, "state_size": D_STATE,
-              "num_hidden_layers": len(model["layers"]), "norm_eps": 1e-5, "expand": 2, "conv_kernel": D_CONV,
-              "use_bias": False, "use_conv_bias": True, "hidden_act": "swish", "time_step_rank": "auto",
-              "attn": {"layers": attn_layers, "num_heads": 12, "num_kv_heads": model["kv_heads"], "qkv_bias": False,
-                       "window_size": window, "rope_theta": 10000.0},
-              "hidden_ratio": 1, "vocab_size": 128, "tie_word_embeddings": tie, "fuse_norm": True, "fuse_swiglu": True,
-              "fuse_cross_entropy": True, "max_position_embeddings": 2048}
+    config = {
+        "model_type": "samba",
+        "architectures": ["SambaForCausalLM"],
+        "hidden_size": HIDDEN,
+        "state_size": D_STATE,
+        "num_hidden_layers": len(model["layers"]),
+        "norm_eps": 1e-5,
+        "expand": 2,
+        "conv_kernel": D_CONV,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hidden_act": "swish",
+        "time_step_rank": "auto",
+        "attn": {
+            "layers": attn_layers,
+            "num_heads": 12,
+            "num_kv_heads": model["kv_heads"],
+            "qkv_bias": False,
+            "window_size": window,
+            "rope_theta": 10000.0,
+        },
+        "hidden_ratio": 1,
+        "vocab_size": 128,
+        "tie_word_embeddings": tie,
+        "fuse_norm": True,
+        "fuse_swiglu": True,
+        "fuse_cross_entropy": True,
+        "max_position_embeddings": 2048,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 

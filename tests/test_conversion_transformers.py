@@ -25,8 +25,8 @@ from transformers import (
 )
 
 from samba_hf import SambaForCausalLM
-from samba_hf_cli import main
 from samba_hf.conversion import ConversionError, convert, lit_gpt
+from samba_hf_cli import main
 
 VOCAB = 100
 
@@ -54,18 +54,37 @@ def save_mamba(folder, layers=3, seed=0):
     torch.manual_seed(seed)
     # larger weights and time steps than the defaults, so that every tensor (A_log and dt_proj included) moves
     # the logits well past the tolerance
-    config = MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, state_size=8,
-                         initializer_range=0.2, time_step_min=0.05, time_step_max=0.5,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = MambaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        state_size=8,
+        initializer_range=0.2,
+        time_step_min=0.05,
+        time_step_max=0.5,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = perturb(MambaForCausalLM(config), seed)
     model.save_pretrained(folder)
     return model
 
 
 def attention_config(config_class, **overrides):
-    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                  initializer_range=0.1)  # q and k large enough that attention is far from uniform
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.1,
+    )  # q and k large enough that attention is far from uniform
     fields.update(overrides)
     return config_class(**fields)
 
@@ -115,8 +134,9 @@ def test_mamba_matches_transformers(tmp_path):
 
 
 def test_mistral_with_a_sliding_window_matches_transformers(tmp_path):
-    source = save_attention_model(tmp_path / "mistral", MistralForCausalLM,
-                                  attention_config(MistralConfig, sliding_window=4))
+    source = save_attention_model(
+        tmp_path / "mistral", MistralForCausalLM, attention_config(MistralConfig, sliding_window=4)
+    )
     result = convert_quietly("mistral", tmp_path / "mistral", tmp_path / "out")
     assert result["config"].layer_types == ["sliding_attention"] * 2
     assert result["config"].sliding_window == 4
@@ -131,19 +151,23 @@ def test_mistral_with_a_sliding_window_matches_transformers(tmp_path):
 
 
 def test_mistral_without_a_window_is_full_attention(tmp_path):
-    source = save_attention_model(tmp_path / "mistral", MistralForCausalLM,
-                                  attention_config(MistralConfig, sliding_window=None))
+    source = save_attention_model(
+        tmp_path / "mistral", MistralForCausalLM, attention_config(MistralConfig, sliding_window=None)
+    )
     result = convert_quietly("mistral", tmp_path / "mistral", tmp_path / "out")
     assert result["config"].layer_types == ["full_attention"] * 2
     assert result["config"].sliding_window is None
     assert_same_logits(source, tmp_path / "out", random_ids(length=16))
 
 
-@pytest.mark.parametrize("options", [
-    dict(tie_word_embeddings=True),
-    dict(tie_word_embeddings=False),
-    dict(tie_word_embeddings=False, head_dim=16, attention_bias=True),  # head_dim != hidden / heads, q/k/v biases
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(tie_word_embeddings=True),
+        dict(tie_word_embeddings=False),
+        dict(tie_word_embeddings=False, head_dim=16, attention_bias=True),  # head_dim != hidden / heads, q/k/v biases
+    ],
+)
 def test_llama_with_gqa_matches_transformers(tmp_path, options):
     tied = options["tie_word_embeddings"]
     source = save_attention_model(tmp_path / "llama", LlamaForCausalLM, attention_config(LlamaConfig, **options))
@@ -255,10 +279,10 @@ def test_push_to_hub_uploads_the_written_folder(tmp_path, monkeypatch):
     import huggingface_hub
 
     calls = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo",
-                        lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw)))
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder",
-                        lambda self, **kw: calls.append(("upload_folder", kw)))
+    monkeypatch.setattr(
+        huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw))
+    )
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload_folder", kw)))
     save_mamba(tmp_path / "mamba", layers=1)
     out = tmp_path / "out"
     convert_quietly("mamba", tmp_path / "mamba", out, push_to_hub="me/samba-test")
@@ -273,9 +297,11 @@ def test_push_to_hub_uploads_the_written_folder(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- tokenizers
 
 
-WORDS = ("the model reads tokens and writes the next one while a small state carries what came before "
-         "sliding window attention looks back over recent positions only mamba layers scan the whole sequence "
-         "samba mixes both kinds of layer so long prompts cost little memory").split()
+WORDS = (
+    "the model reads tokens and writes the next one while a small state carries what came before "
+    "sliding window attention looks back over recent positions only mamba layers scan the whole sequence "
+    "samba mixes both kinds of layer so long prompts cost little memory"
+).split()
 
 
 @pytest.fixture
@@ -289,8 +315,17 @@ def sentencepiece_model(tmp_path):
     text.write_text("\n".join(lines) + "\nHello, world! Samba 123.\n")
     prefix = tmp_path / "spm"
     spm.SentencePieceTrainer.train(
-        input=str(text), model_prefix=str(prefix), model_type="bpe", vocab_size=320, byte_fallback=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=1,
+        input=str(text),
+        model_prefix=str(prefix),
+        model_type="bpe",
+        vocab_size=320,
+        byte_fallback=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+        num_threads=1,
     )
     return prefix.with_suffix(".model")
 
@@ -308,8 +343,9 @@ def tokenizer_folder(model_file, folder, add_bos):
 
 
 def tiny_lit_gpt_config(vocab_size):
-    return lit_gpt.config_from_name("Samba_421M", n_layer=2, n_embd=64, n_head=4, intermediate_size=64,
-                                    vocab_size=vocab_size, local_window=8)
+    return lit_gpt.config_from_name(
+        "Samba_421M", n_layer=2, n_embd=64, n_head=4, intermediate_size=64, vocab_size=vocab_size, local_window=8
+    )
 
 
 def save_lit_gpt(path, config, seed=0):
@@ -335,8 +371,9 @@ def test_lit_gpt_conversion_saves_a_tokenizer_without_bos(tmp_path, sentencepiec
     assert config.vocab_size >= len(source_tokenizer)
     save_lit_gpt(tmp_path / "ckpt.pth", config)
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
-    convert_quietly("lit-gpt", tmp_path / "ckpt.pth", tmp_path / "out", config=tmp_path / "config.json",
-                    tokenizer=tmp_path / "tok")
+    convert_quietly(
+        "lit-gpt", tmp_path / "ckpt.pth", tmp_path / "out", config=tmp_path / "config.json", tokenizer=tmp_path / "tok"
+    )
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
     ids = tokenizer("hello world").input_ids
     assert tokenizer.bos_token_id == 1
@@ -350,8 +387,9 @@ def test_lit_gpt_conversion_saves_a_tokenizer_without_bos(tmp_path, sentencepiec
 
 def test_llama_conversion_keeps_the_tokenizers_bos(tmp_path, sentencepiece_model):
     source_tokenizer = tokenizer_folder(sentencepiece_model, tmp_path / "llama", add_bos=True)
-    save_attention_model(tmp_path / "llama", LlamaForCausalLM,
-                         attention_config(LlamaConfig, vocab_size=len(source_tokenizer)))
+    save_attention_model(
+        tmp_path / "llama", LlamaForCausalLM, attention_config(LlamaConfig, vocab_size=len(source_tokenizer))
+    )
     convert_quietly("llama", tmp_path / "llama", tmp_path / "out", tokenizer=tmp_path / "llama")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
     ids = tokenizer("hello world").input_ids
@@ -372,8 +410,9 @@ def test_a_tokenizer_larger_than_the_vocabulary(tmp_path, sentencepiece_model):
 
 
 def test_cli_convert_with_verify(tmp_path, capsys):
-    source = save_attention_model(tmp_path / "mistral", MistralForCausalLM,
-                                  attention_config(MistralConfig, sliding_window=4))
+    source = save_attention_model(
+        tmp_path / "mistral", MistralForCausalLM, attention_config(MistralConfig, sliding_window=4)
+    )
     out = tmp_path / "out"
     assert main(["convert", "mistral", str(tmp_path / "mistral"), str(out), "--verify"]) == 0
     err = capsys.readouterr().err
@@ -430,8 +469,20 @@ def test_cli_export_of_a_lit_gpt_conversion(tmp_path, capsys):
     state = save_lit_gpt(tmp_path / "ckpt.pth", config)
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     folder, file = tmp_path / "hf", tmp_path / "export" / "samba.pth"
-    assert main(["convert", "lit-gpt", str(tmp_path / "ckpt.pth"), str(folder), "--config",
-                 str(tmp_path / "config.json"), "--no-verify"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "lit-gpt",
+                str(tmp_path / "ckpt.pth"),
+                str(folder),
+                "--config",
+                str(tmp_path / "config.json"),
+                "--no-verify",
+            ]
+        )
+        == 0
+    )
     assert main(["export", "lit-gpt", str(folder), str(file)]) == 0
     assert f"samba-hf: wrote {file}" in capsys.readouterr().err
     exported = torch.load(file, weights_only=True)

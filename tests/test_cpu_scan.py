@@ -1,6 +1,7 @@
 """The compiled CPU scan (`cpu_kernels_samba.selective_scan_cpu`): its backward against float64 autograd of the
-recurrence written out step by step (`test_reference_models.float64_recurrence`), its thread split, padding, the whole model against the PyTorch scan, and the fallback
-where no compiler is found. The forward against float64 is in test_reference_models.py (both scans)."""
+recurrence written out step by step (`test_reference_models.float64_recurrence`), its thread split, padding, the whole
+model against the PyTorch scan, and the fallback where no compiler is found. The forward against float64 is in
+test_reference_models.py (both scans)."""
 
 import os
 import shutil
@@ -9,11 +10,10 @@ import sys
 
 import pytest
 import torch
-
-from samba_hf import cpu_kernels_samba, ssm_samba
-
 from conftest import tiny_model
 from test_reference_models import float64_recurrence
+
+from samba_hf import cpu_kernels_samba, ssm_samba
 
 
 def require_compiled_scan():
@@ -134,7 +134,9 @@ def test_zero_step_leaves_the_state_exactly_as_it_was():
     x = inputs(seq_len=20)
     x["dt"][:, 5:] = 0.0
     _, h_full = cpu_kernels_samba.selective_scan_cpu(**x)
-    _, h_five = cpu_kernels_samba.selective_scan_cpu(**{k: v[:, :5] if v.dim() == 3 and k != "h0" else v for k, v in x.items()})
+    _, h_five = cpu_kernels_samba.selective_scan_cpu(
+        **{k: v[:, :5] if v.dim() == 3 and k != "h0" else v for k, v in x.items()}
+    )
     assert torch.equal(h_full, h_five)
 
 
@@ -161,7 +163,9 @@ from samba_hf import cpu_kernels_samba, ssm_samba
 g = torch.Generator().manual_seed(0)
 u = torch.randn(1, 9, 4, generator=g)
 dt = torch.full((1, 9, 4), 0.1)
-y, h = ssm_samba.selective_scan(u, dt, -torch.ones(4, 3), torch.randn(1, 9, 3, generator=g), torch.randn(1, 9, 3, generator=g))
+y, h = ssm_samba.selective_scan(
+    u, dt, -torch.ones(4, 3), torch.randn(1, 9, 3, generator=g), torch.randn(1, 9, 3, generator=g)
+)
 print("library", cpu_kernels_samba._CPU_SCAN is not False)
 print("finite", bool(torch.isfinite(y).all()))
 """
@@ -170,7 +174,10 @@ print("finite", bool(torch.isfinite(y).all()))
 def run_snippet(tmp_path, **env):
     cache = tmp_path / "cache"
     result = subprocess.run(
-        [sys.executable, "-c", SNIPPET], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", SNIPPET],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "SAMBA_HF_CACHE": str(cache), **env},
     )
     assert result.returncode == 0, result.stderr
@@ -194,8 +201,11 @@ def test_the_kernel_testing_switch_without_the_interpreter_is_ignored_with_a_war
     would send them where nothing runs them, so it is ignored, with one line saying so, and the CPU scan runs."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-c", SNIPPET + "print('switch', ssm_samba.INTERPRET_KERNELS)\n"], capture_output=True,
-        text=True, timeout=300, env={**env, "SAMBA_HF_INTERPRET_KERNELS": "1", "SAMBA_HF_CACHE": str(tmp_path)},
+        [sys.executable, "-c", SNIPPET + "print('switch', ssm_samba.INTERPRET_KERNELS)\n"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "SAMBA_HF_INTERPRET_KERNELS": "1", "SAMBA_HF_CACHE": str(tmp_path)},
     )
     assert result.returncode == 0 and "switch False" in result.stdout and "finite True" in result.stdout
     assert "SAMBA_HF_INTERPRET_KERNELS is set without TRITON_INTERPRET=1; ignored" in result.stderr
@@ -213,8 +223,9 @@ def test_build_leaves_one_library_in_the_cache_and_reuses_it(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("kernel_size, length, seq_len", [(4, 10, 10), (4, 13, 10), (4, 2, 2), (4, 4, 1), (4, 3, 1),
-                                                          (3, 7, 1), (2, 9, 4)])
+@pytest.mark.parametrize(
+    "kernel_size, length, seq_len", [(4, 10, 10), (4, 13, 10), (4, 2, 2), (4, 4, 1), (4, 3, 1), (3, 7, 1), (2, 9, 4)]
+)
 def test_depthwise_causal_conv_equals_conv1d(kernel_size, length, seq_len, dtype):
     """The CPU conv (K shifted multiply-adds over a strided window) against nn.Conv1d in float64: prompts (the window
     is the prompt), continuations (cached inputs first), one-token steps, windows shorter than the kernel."""
@@ -222,8 +233,9 @@ def test_depthwise_causal_conv_equals_conv1d(kernel_size, length, seq_len, dtype
     conv = torch.nn.Conv1d(d, d, kernel_size, groups=d, padding=kernel_size - 1).to(dtype)
     window = torch.randn(2, length, d, dtype=dtype).transpose(1, 2)  # (batch, d, length), as the mixer hands it over
     out = ssm_samba.causal_conv(conv, window, seq_len)
-    reference = torch.nn.functional.conv1d(window.double(), conv.weight.double(), conv.bias.double(),
-                                           padding=kernel_size - 1, groups=d)[..., :length][..., -seq_len:]
+    reference = torch.nn.functional.conv1d(
+        window.double(), conv.weight.double(), conv.bias.double(), padding=kernel_size - 1, groups=d
+    )[..., :length][..., -seq_len:]
     assert out.dtype == dtype and out.shape == (2, d, seq_len)
     assert out.transpose(1, 2).is_contiguous()  # no transposing copy needed on the way out
     tolerance = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]

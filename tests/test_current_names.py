@@ -9,8 +9,10 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OLD_NAMES_KEPT = {"test_cache.py": {"test_the_cache_is_taken_under_either_name"},
-                  "test_forward_and_training.py": {"test_the_old_checkpointing_names_still_switch_it_on"}}
+OLD_NAMES_KEPT = {
+    "test_cache.py": {"test_the_cache_is_taken_under_either_name"},
+    "test_forward_and_training.py": {"test_the_old_checkpointing_names_still_switch_it_on"},
+}
 OLD_ATTRIBUTES = {"past_key_values", "gradient_checkpointing_enable", "is_gradient_checkpointing"}
 OLD_KEYWORDS = {"gradient_checkpointing", "gradient_checkpointing_kwargs"}
 
@@ -30,8 +32,11 @@ def old_names(source: str, kept: set[str] = frozenset()) -> list[tuple[int, str]
                 found.append((child.lineno, f".{child.attr}"))
             if isinstance(child, ast.Call):
                 generate = isinstance(child.func, ast.Attribute) and child.func.attr == "generate"
-                found.extend((child.lineno, f"{k.arg}=") for k in child.keywords
-                             if k.arg in OLD_KEYWORDS or (generate and k.arg == "past_key_values"))
+                found.extend(
+                    (child.lineno, f"{k.arg}=")
+                    for k in child.keywords
+                    if k.arg in OLD_KEYWORDS or (generate and k.arg == "past_key_values")
+                )
             visit(child, function)
 
     visit(ast.parse(source), None)
@@ -48,18 +53,26 @@ def python_sources():
 
 
 def test_the_tests_docs_and_examples_use_the_current_names():
-    found = [f"{where}:{line}: {name}" for where, source, kept in python_sources()
-             for line, name in old_names(source, kept)]
+    found = [
+        f"{where}:{line}: {name}" for where, source, kept in python_sources() for line, name in old_names(source, kept)
+    ]
     assert not found, "old names (use cache=, conftest.returned_cache / cache_kwarg, activation_checkpointing):\n" + (
-        "\n".join(found))
+        "\n".join(found)
+    )
 
 
 def test_the_checker_finds_each_old_name():
-    source = ("def test_a():\n    out.past_key_values\n    model.generate(ids, past_key_values=c)\n"
-              "    model(ids, past_key_values=c)\n    model.gradient_checkpointing_enable()\n"
-              "    TrainingArguments('o', gradient_checkpointing=True)\n"
-              "def test_b():\n    out.past_key_values\n")
-    assert old_names(source) == [(2, ".past_key_values"), (3, "past_key_values="),
-                                 (5, ".gradient_checkpointing_enable"), (6, "gradient_checkpointing="),
-                                 (8, ".past_key_values")]
+    source = (
+        "def test_a():\n    out.past_key_values\n    model.generate(ids, past_key_values=c)\n"
+        "    model(ids, past_key_values=c)\n    model.gradient_checkpointing_enable()\n"
+        "    TrainingArguments('o', gradient_checkpointing=True)\n"
+        "def test_b():\n    out.past_key_values\n"
+    )
+    assert old_names(source) == [
+        (2, ".past_key_values"),
+        (3, "past_key_values="),
+        (5, ".gradient_checkpointing_enable"),
+        (6, "gradient_checkpointing="),
+        (8, ".past_key_values"),
+    ]
     assert old_names(source, {"test_a"}) == [(8, ".past_key_values")]

@@ -4,9 +4,9 @@ import json
 import math
 import re
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from samba_hf import SambaForCausalLM

@@ -61,14 +61,24 @@ def test_every_relative_link_resolves(page):
 
 def test_the_checker_finds_what_is_broken(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# A `code` title\n## Setup\n## Setup\n```text\n# not a heading [x](missing.md)\n```\n"
-                    "[ok](#setup-1) ![img](pic.png) [web](https://example.com) [gone](#nothing) [other](other.md#setup)\n")
+    page.write_text(
+        "# A `code` title\n## Setup\n## Setup\n```text\n# not a heading [x](missing.md)\n```\n"
+        "[ok](#setup-1) ![img](pic.png) [web](https://example.com) [gone](#nothing) [other](other.md#setup)\n"
+    )
     (tmp_path / "other.md").write_text("## Set up\n")
     assert anchors(page) == {"a-code-title", "setup", "setup-1"}
-    assert [target for _, target in links(page)] == ["#setup-1", "pic.png", "https://example.com", "#nothing",
-                                                     "other.md#setup"]
-    assert broken_links(page) == ["page.md:7: pic.png (no such file)", "page.md:7: #nothing (no heading gives #nothing)",
-                                  "page.md:7: other.md#setup (no heading gives #setup)"]
+    assert [target for _, target in links(page)] == [
+        "#setup-1",
+        "pic.png",
+        "https://example.com",
+        "#nothing",
+        "other.md#setup",
+    ]
+    assert broken_links(page) == [
+        "page.md:7: pic.png (no such file)",
+        "page.md:7: #nothing (no heading gives #nothing)",
+        "page.md:7: other.md#setup (no heading gives #setup)",
+    ]
 
 
 def test_the_speed_page_opens_with_a_summary_and_keeps_the_runs_apart():
@@ -84,6 +94,10 @@ def test_the_speed_page_opens_with_a_summary_and_keeps_the_runs_apart():
         machine = row.strip(" |").split(" | ")[-1]
         assert re.search(r"20\d\d-\d\d-\d\d", machine) or machine.startswith("same "), row
     assert sum("speed-history.md#" in row for row in rows) >= 8
-    for run in ("third round, 2026-11-24", "second round, 2026-11-22", "The H200 run (2026-11-26)",
-                "The first GPU run"):
+    for run in (
+        "third round, 2026-11-24",
+        "second round, 2026-11-22",
+        "The H200 run (2026-11-26)",
+        "The first GPU run",
+    ):
         assert f"## {run}" not in speed and run in history, run

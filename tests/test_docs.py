@@ -59,8 +59,9 @@ def run_by_ci(language: str, body: str) -> bool:
 
 def in_vllm_environment(language: str, body: str) -> bool:
     """Blocks for vLLM's environment (its install, its commands, its test command): the plugin's tests run them."""
-    return language == "bash" and (body.startswith(". .venv-vllm/bin/activate") or "vllm_plugin[" in body
-                                   or "SAMBA_VLLM_FIXTURES=" in body)
+    return language == "bash" and (
+        body.startswith(". .venv-vllm/bin/activate") or "vllm_plugin[" in body or "SAMBA_VLLM_FIXTURES=" in body
+    )
 
 
 def name(page: Path) -> str:
@@ -68,19 +69,29 @@ def name(page: Path) -> str:
 
 
 BLOCKS = {page: fenced_blocks(page) for page in PAGES}
-RUNNABLE = [(page, language, line, body) for page in PAGES for language, line, body in BLOCKS[page]
-            if language in RUN and not run_by_ci(language, body) and not in_vllm_environment(language, body)]
+RUNNABLE = [
+    (page, language, line, body)
+    for page in PAGES
+    for language, line, body in BLOCKS[page]
+    if language in RUN and not run_by_ci(language, body) and not in_vllm_environment(language, body)
+]
 
 
 def test_every_block_is_run_or_marked_as_output():
-    unknown = [(name(page), line, language) for page in PAGES for language, line, _ in BLOCKS[page]
-               if language not in RUN + OUTPUT]
+    unknown = [
+        (name(page), line, language)
+        for page in PAGES
+        for language, line, _ in BLOCKS[page]
+        if language not in RUN + OUTPUT
+    ]
     assert not unknown, f"blocks that are neither python/bash (run here) nor text (output, or not run): {unknown}"
-    left_to_ci = [(name(page), line) for page in PAGES for language, line, body in BLOCKS[page]
-                  if run_by_ci(language, body)]
+    left_to_ci = [
+        (name(page), line) for page in PAGES for language, line, body in BLOCKS[page] if run_by_ci(language, body)
+    ]
     readme = BLOCKS[ROOT / "README.md"]
     assert left_to_ci == [("README.md", readme[0][1]), ("README.md", readme[1][1])], (
-        f"only README's first two blocks may be left to CI, not {left_to_ci}")
+        f"only README's first two blocks may be left to CI, not {left_to_ci}"
+    )
     assert len(PAGES) >= 10 and len(RUNNABLE) >= 15, [(name(p), line) for p, _, line, _ in RUNNABLE]
 
 
@@ -114,18 +125,24 @@ def workdirs(tmp_path_factory, downloads):
 def environment() -> dict:
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               CUDA_VISIBLE_DEVICES="")  # a CPU-only machine, with no network
+    env.update(
+        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES=""
+    )  # a CPU-only machine, with no network
     env.pop("PYTHONPATH", None)
     return env
 
 
-@pytest.mark.parametrize("page, language, line, body", RUNNABLE,
-                         ids=[f"{name(page)}:{line}-{language}" for page, language, line, _ in RUNNABLE])
+@pytest.mark.parametrize(
+    "page, language, line, body",
+    RUNNABLE,
+    ids=[f"{name(page)}:{line}-{language}" for page, language, line, _ in RUNNABLE],
+)
 def test_block_runs(page, language, line, body, workdirs):
     command = [sys.executable, "-c", body] if language == "python" else ["bash", "-e", "-c", body]
-    result = subprocess.run(command, cwd=workdirs(page), env=environment(), capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        command, cwd=workdirs(page), env=environment(), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, (
         f"{name(page)}:{line} ({language} block) exited {result.returncode}\n--- block\n{body}"
-        f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+        f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}"
+    )

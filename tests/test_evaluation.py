@@ -8,17 +8,38 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoTokenizer, GenerationMixin, LlamaConfig, LlamaForCausalLM, MambaConfig,
-                          MambaForCausalLM, MistralConfig, MistralForCausalLM, PretrainedConfig, PreTrainedModel)
+from transformers import (
+    AutoTokenizer,
+    GenerationMixin,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.modeling_outputs import CausalLMOutput
 
 from samba_hf import SambaConfig, SambaForCausalLM
 from samba_hf.cli import default_model_path
+from samba_hf.evaluation import (
+    PASSKEY_FILLER,
+    PASSKEY_INSTRUCTION,
+    PASSKEY_NEEDLE,
+    PASSKEY_QUESTION,
+    Prompt,
+    answer,
+    exact_match,
+    passkey_eval,
+    passkey_prompt,
+    perplexity_by_position,
+    phonebook_eval,
+    phonebook_prompt,
+    token_nll,
+)
 from samba_hf_cli import main
-from samba_hf.evaluation import (PASSKEY_FILLER, PASSKEY_INSTRUCTION, PASSKEY_NEEDLE, PASSKEY_QUESTION, Prompt, answer,
-                                 exact_match,
-                                 passkey_eval, passkey_prompt, perplexity_by_position, phonebook_eval,
-                                 phonebook_prompt, token_nll)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +52,7 @@ def ids_of(tokenizer, text):
 
 
 # ---- prompts ----
+
 
 @pytest.mark.parametrize("length", [120, 333, 1000, 4096])
 @pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
@@ -96,13 +118,23 @@ def test_exact_match():
 
 # ---- one pass through the cache, in chunks ----
 
+
 def tiny_models():
     torch.manual_seed(0)
-    shape = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    shape = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     return {
-        "samba": SambaForCausalLM(SambaConfig(**shape, sliding_window=16, layer_types=["linear_attention",
-                                                                                        "sliding_attention"])),
+        "samba": SambaForCausalLM(
+            SambaConfig(**shape, sliding_window=16, layer_types=["linear_attention", "sliding_attention"])
+        ),
         "mistral": MistralForCausalLM(MistralConfig(**shape, sliding_window=16)),
         "llama": LlamaForCausalLM(LlamaConfig(**shape)),
         "mamba": MambaForCausalLM(MambaConfig(vocab_size=97, hidden_size=32, state_size=8, num_hidden_layers=2)),
@@ -133,10 +165,23 @@ def test_chunked_generation_equals_one_pass(name):
     ids = torch.randint(4, 97, (120,), generator=torch.Generator().manual_seed(3)).tolist()
     prompt = Prompt(ids, "", "12345", 0, answer_tokens=6)
     with torch.no_grad():
-        whole = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True, pad_token_id=0)
-        chunked = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0, prefill_chunk_size=25)
+        whole = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=8,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        chunked = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=8,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            prefill_chunk_size=25,
+        )
     assert chunked.sequences.tolist() == whole.sequences.tolist()
     torch.testing.assert_close(chunked.logits[0], whole.logits[0], rtol=1e-4, atol=1e-4)
 
@@ -156,8 +201,11 @@ def test_perplexity_buckets():
     ids = torch.randint(0, 97, (90,), generator=torch.Generator().manual_seed(2))
     nll = token_nll(model, ids, prefill_chunk_size=None).double()
     result = perplexity_by_position(model, ids, bucket=32, prefill_chunk_size=20)
-    assert [(b["start"], b["end"], b["tokens"]) for b in result["buckets"]] == [(0, 32, 31), (32, 64, 32),
-                                                                               (64, 90, 26)]
+    assert [(b["start"], b["end"], b["tokens"]) for b in result["buckets"]] == [
+        (0, 32, 31),
+        (32, 64, 32),
+        (64, 90, 26),
+    ]
     for bucket, piece in zip(result["buckets"], (nll[:31], nll[31:63], nll[63:])):
         assert bucket["nll"] == pytest.approx(piece.mean().item(), rel=1e-5)
         assert bucket["perplexity"] == pytest.approx(torch.exp(piece.mean()).item(), rel=1e-5)
@@ -165,6 +213,7 @@ def test_perplexity_buckets():
 
 
 # ---- oracles: a model that copies the key scores 100%, one that cannot see it scores 0 ----
+
 
 class CopierConfig(PretrainedConfig):
     model_type = "induction-copier"
@@ -219,13 +268,16 @@ def test_a_model_that_copies_the_key_scores_100_and_one_that_cannot_scores_0(tok
 def test_evaluation_is_deterministic_under_a_seed(tokenizer):
     copier = InductionCopier(CopierConfig(use_cache=False)).eval()
     copier.generation_config.use_cache = False
-    runs = [passkey_eval(copier, tokenizer, [300], [0.5], trials=2, seed=seed, prefill_chunk_size=None)
-            for seed in (7, 7, 8)]
+    runs = [
+        passkey_eval(copier, tokenizer, [300], [0.5], trials=2, seed=seed, prefill_chunk_size=None)
+        for seed in (7, 7, 8)
+    ]
     keys = [[s["passkey"] for s in run["cells"][0]["samples"]] for run in runs]
     assert keys[0] == keys[1] != keys[2]
 
 
 # ---- the command line ----
+
 
 def one_line_error(capsys, argv, *fragments):
     assert main(argv) == 1
@@ -240,8 +292,17 @@ def one_line_error(capsys, argv, *fragments):
 def llama_folder(tmp_path_factory, tokenizer):
     """A tiny transformers Llama with the default model's tokenizer: eval takes any causal LM."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=4096,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+    )
     folder = tmp_path_factory.mktemp("llama")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -249,8 +310,24 @@ def llama_folder(tmp_path_factory, tokenizer):
 
 
 def test_eval_passkey_writes_json_and_heatmap_and_never_overwrites(capsys, tmp_path, llama_folder):
-    argv = ["eval", "passkey", "--model", str(llama_folder), "--lengths", "150,300", "--depths", "0,1", "--trials",
-            "1", "--out", str(tmp_path / "res"), "--prefill-chunk-size", "64", "--device", "cpu"]
+    argv = [
+        "eval",
+        "passkey",
+        "--model",
+        str(llama_folder),
+        "--lengths",
+        "150,300",
+        "--depths",
+        "0,1",
+        "--trials",
+        "1",
+        "--out",
+        str(tmp_path / "res"),
+        "--prefill-chunk-size",
+        "64",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "depth" in captured.out and "150" in captured.out and "300" in captured.out
@@ -269,64 +346,102 @@ def test_eval_passkey_writes_json_and_heatmap_and_never_overwrites(capsys, tmp_p
 def test_eval_perplexity_of_a_text_file(capsys, tmp_path, llama_folder):
     text = tmp_path / "text.txt"
     text.write_text("The grass is green and the sky is blue. " * 40)
-    assert main(["eval", "perplexity", "--model", str(llama_folder), "--text", str(text), "--max-tokens", "250",
-                 "--bucket", "100", "--out", str(tmp_path / "res")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "perplexity",
+                "--model",
+                str(llama_folder),
+                "--text",
+                str(text),
+                "--max-tokens",
+                "250",
+                "--bucket",
+                "100",
+                "--out",
+                str(tmp_path / "res"),
+            ]
+        )
+        == 0
+    )
     rows = [line for line in capsys.readouterr().out.splitlines() if " - " in line]
     assert len(rows) == 3
     result = json.loads((tmp_path / "res" / "perplexity.json").read_text())
     assert result["tokens"] == 250 and [b["end"] for b in result["buckets"]] == [100, 200, 250]
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["passkey", "--lengths", ""], "--lengths is empty"),
-    (["passkey", "--lengths", "512,abc"], "comma-separated whole numbers"),
-    (["passkey", "--lengths", "0"], "at least 1"),
-    (["passkey", "--lengths", "512,1000000000000"], "--lengths 1000000000000 is more than the 16,777,216 tokens"),
-    (["phonebook", "--lengths", "16777217"], "--lengths 16777217 is more than the 16,777,216 tokens"),
-    (["passkey", "--depths", "0,1.5"], "from 0 to 1"),
-    (["passkey", "--depths", "nan"], "from 0 to 1"),
-    (["passkey", "--trials", "0"], "--trials must be at least 1"),
-    (["phonebook", "--trials", "-1"], "--trials must be at least 1"),
-    (["passkey", "--prefill-chunk-size", "0"], "--prefill-chunk-size must be at least 1"),
-    (["perplexity", "--bucket", "0"], "--bucket must be at least 1"),
-    (["perplexity", "--max-tokens", "1"], "at least 2"),
-    (["passkey", "--model", ""], "--model is empty"),
-    (["passkey", "--seed", "-3"], "--seed must be between 0 and 2**64 - 1, got -3"),
-    (["phonebook", "--seed", str(2**64)], f"--seed must be between 0 and 2**64 - 1, got {2**64}"),
-    (["passkey", "--lengths", "20"], "--lengths 20: a passkey prompt needs at least"),
-    (["phonebook", "--lengths", "10"], "--lengths 10: a phonebook prompt needs more than"),
-    (["perplexity", "--text", "/nonexistent/file.txt"], "no such file"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["passkey", "--lengths", ""], "--lengths is empty"),
+        (["passkey", "--lengths", "512,abc"], "comma-separated whole numbers"),
+        (["passkey", "--lengths", "0"], "at least 1"),
+        (["passkey", "--lengths", "512,1000000000000"], "--lengths 1000000000000 is more than the 16,777,216 tokens"),
+        (["phonebook", "--lengths", "16777217"], "--lengths 16777217 is more than the 16,777,216 tokens"),
+        (["passkey", "--depths", "0,1.5"], "from 0 to 1"),
+        (["passkey", "--depths", "nan"], "from 0 to 1"),
+        (["passkey", "--trials", "0"], "--trials must be at least 1"),
+        (["phonebook", "--trials", "-1"], "--trials must be at least 1"),
+        (["passkey", "--prefill-chunk-size", "0"], "--prefill-chunk-size must be at least 1"),
+        (["perplexity", "--bucket", "0"], "--bucket must be at least 1"),
+        (["perplexity", "--max-tokens", "1"], "at least 2"),
+        (["passkey", "--model", ""], "--model is empty"),
+        (["passkey", "--seed", "-3"], "--seed must be between 0 and 2**64 - 1, got -3"),
+        (["phonebook", "--seed", str(2**64)], f"--seed must be between 0 and 2**64 - 1, got {2**64}"),
+        (["passkey", "--lengths", "20"], "--lengths 20: a passkey prompt needs at least"),
+        (["phonebook", "--lengths", "10"], "--lengths 10: a phonebook prompt needs more than"),
+        (["perplexity", "--text", "/nonexistent/file.txt"], "no such file"),
+    ],
+)
 def test_eval_mistakes(capsys, argv, fragment):
-    one_line_error(capsys, ["eval", *argv, "--model", default_model_path()] if "--model" not in argv else
-                   ["eval", *argv], fragment)
+    one_line_error(
+        capsys,
+        ["eval", *argv, "--model", default_model_path()] if "--model" not in argv else ["eval", *argv],
+        fragment,
+    )
 
 
 def test_eval_file_mistakes(capsys, tmp_path, llama_folder):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 10)
-    one_line_error(capsys, ["eval", "perplexity", "--model", str(llama_folder), "--text", str(tmp_path / "latin1.txt")],
-                   "not UTF-8 text")
+    one_line_error(
+        capsys,
+        ["eval", "perplexity", "--model", str(llama_folder), "--text", str(tmp_path / "latin1.txt")],
+        "not UTF-8 text",
+    )
     (tmp_path / "empty.txt").write_text("")
-    one_line_error(capsys, ["eval", "perplexity", "--model", str(llama_folder), "--text", str(tmp_path / "empty.txt")],
-                   "perplexity needs at least 2")
+    one_line_error(
+        capsys,
+        ["eval", "perplexity", "--model", str(llama_folder), "--text", str(tmp_path / "empty.txt")],
+        "perplexity needs at least 2",
+    )
     (tmp_path / "file").write_text("x")
-    one_line_error(capsys, ["eval", "passkey", "--model", str(llama_folder), "--out", str(tmp_path / "file")],
-                   "is a file; give a folder")
+    one_line_error(
+        capsys,
+        ["eval", "passkey", "--model", str(llama_folder), "--out", str(tmp_path / "file")],
+        "is a file; give a folder",
+    )
     one_line_error(capsys, ["eval", "passkey", "--model", str(tmp_path / "nope")], "no such model folder")
 
 
 def test_eval_refuses_a_model_with_weights_missing(capsys, tmp_path, llama_folder):
-    from safetensors.torch import load_file, save_file
-
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     broken = tmp_path / "broken"
     shutil.copytree(llama_folder, broken)
     tensors = load_file(broken / "model.safetensors")
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    one_line_error(capsys, ["eval", "passkey", "--model", str(broken), "--lengths", "150"],
-                   "lack model.layers.1.mlp.down_proj.weight", "nothing was run")
+    one_line_error(
+        capsys,
+        ["eval", "passkey", "--model", str(broken), "--lengths", "150"],
+        "lack model.layers.1.mlp.down_proj.weight",
+        "nothing was run",
+    )
+
+
 def test_embedded_models():
     assert default_model_path().endswith("default_model")
     assert (Path(default_model_path("passkey")) / "config.json").is_file()
@@ -338,8 +453,8 @@ def test_embedded_models():
 def test_the_passkey_model_answers_past_its_training_length_through_plain_generate():
     """The shipped passkey Samba (fine-tuned on prompts of at most 512 tokens, window 64: its three attention layers
     reach 189 tokens back) through `model.generate` alone: the prompt as text, chunked prefill, greedy. What
-    docs/long-context.md measured: keys far beyond attention's reach, which only the Mamba state can carry, found at 2x,
-    16x and 64x the fine-tuning length."""
+    docs/long-context.md measured: keys far beyond attention's reach, which only the Mamba state can carry, found at
+    2x, 16x and 64x the fine-tuning length."""
     from transformers import AutoModelForCausalLM
 
     path = default_model_path("passkey")
@@ -371,15 +486,21 @@ def test_eval_says_what_it_is_about_to_run_before_it_runs(capsys, llama_folder, 
     args = build_parser().parse_args(["eval", "passkey"])
     check_eval_arguments(args)
     _say_the_work(args)
-    assert capsys.readouterr().err == ("samba-hf: passkey: 24 prompts (4 lengths x 3 depths x 2 trials), the longest "
-                                       "32,768 tokens, up to 261,120 tokens in all\n")
+    assert capsys.readouterr().err == (
+        "samba-hf: passkey: 24 prompts (4 lengths x 3 depths x 2 trials), the longest "
+        "32,768 tokens, up to 261,120 tokens in all\n"
+    )
     said = []
     run = evaluation.phonebook_eval
-    monkeypatch.setattr(evaluation, "phonebook_eval",
-                        lambda *args, **kwargs: said.append(capsys.readouterr().err) or run(*args, **kwargs))
+    monkeypatch.setattr(
+        evaluation,
+        "phonebook_eval",
+        lambda *args, **kwargs: said.append(capsys.readouterr().err) or run(*args, **kwargs),
+    )
     assert main(["eval", "phonebook", "--model", str(llama_folder), "--lengths", "120", "--trials", "1"]) == 0
-    assert said[0].endswith("samba-hf: phonebook: 1 prompt (1 length x 1 trial), the longest 120 tokens, up to 120 "
-                            "tokens in all\n")
+    assert said[0].endswith(
+        "samba-hf: phonebook: 1 prompt (1 length x 1 trial), the longest 120 tokens, up to 120 tokens in all\n"
+    )
 
 
 def test_long_work_gets_an_estimate_and_a_bar_of_tokens_inside_a_prompt(capsys, tokenizer, llama_folder, monkeypatch):
@@ -389,18 +510,56 @@ def test_long_work_gets_an_estimate_and_a_bar_of_tokens_inside_a_prompt(capsys, 
 
     model = LlamaForCausalLM.from_pretrained(llama_folder).eval()
     said = []
-    passkey_eval(model, tokenizer, [300], [0.5], trials=2, prefill_chunk_size=64, progress=True, say=said.append,
-                 progress_after=0)
-    assert len(said) == 1 and re.fullmatch(r"the first 64 tokens took \d+\.\d s: about \d+ seconds for all 600 at "
-                                           r"that rate", said[0]), said
+    passkey_eval(
+        model,
+        tokenizer,
+        [300],
+        [0.5],
+        trials=2,
+        prefill_chunk_size=64,
+        progress=True,
+        say=said.append,
+        progress_after=0,
+    )
+    assert len(said) == 1 and re.fullmatch(
+        r"the first 64 tokens took \d+\.\d s: about \d+ seconds for all 600 at "
+        r"that rate",
+        said[0],
+    ), said
     err = capsys.readouterr().err
     assert re.search(r"tokens: +\d+%.*\| *[\d.]+/\d+ ", err), err  # a bar of tokens inside the prompt ("64.0/298")
-    passkey_eval(model, tokenizer, [300], [0.5], trials=1, prefill_chunk_size=64, progress=True, say=said.append,
-                 progress_after=3600)
+    passkey_eval(
+        model,
+        tokenizer,
+        [300],
+        [0.5],
+        trials=1,
+        prefill_chunk_size=64,
+        progress=True,
+        say=said.append,
+        progress_after=3600,
+    )
     assert len(said) == 1 and "tokens:" not in capsys.readouterr().err
     monkeypatch.setattr(evaluation, "PROGRESS_AFTER_S", 0)  # the CLI's threshold
-    assert main(["eval", "passkey", "--model", str(llama_folder), "--lengths", "200", "--depths", "1", "--trials", "1",
-                 "--prefill-chunk-size", "50"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "passkey",
+                "--model",
+                str(llama_folder),
+                "--lengths",
+                "200",
+                "--depths",
+                "1",
+                "--trials",
+                "1",
+                "--prefill-chunk-size",
+                "50",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "samba-hf: the first 50 tokens took" in err and "for all 200 at that rate" in err and "tokens:" in err
 
@@ -413,10 +572,13 @@ def test_eval_phonebook_says_when_the_model_was_never_taught_the_task(capsys, ll
     assert captured.out.splitlines()[-1].split() == ["120", "tokens", "0%"]
     assert captured.err.splitlines()[-1] == (
         "samba-hf: note: 0% at every length, as expected: the embedded default model was never trained for phonebook "
-        "lookup (it writes documentation-flavoured English); pass --model to evaluate a model that was")
+        "lookup (it writes documentation-flavoured English); pass --model to evaluate a model that was"
+    )
     assert main(["eval", "phonebook", "--model", str(llama_folder), "--lengths", "120", "--trials", "1"]) == 0
-    assert "0% at every length: the model found no number at all, as one never trained for phonebook lookup does" in (
-        capsys.readouterr().err.splitlines()[-1])
+    assert (
+        "0% at every length: the model found no number at all, as one never trained for phonebook lookup does"
+        in (capsys.readouterr().err.splitlines()[-1])
+    )
     right = {"rows": [{"length": 120, "accuracy": 0.2, "samples": []}]}  # one right answer in five: no note
     monkeypatch.setattr(evaluation, "phonebook_eval", lambda *args, **kwargs: dict(right))
     assert main(["eval", "phonebook", "--model", str(llama_folder), "--lengths", "120", "--trials", "5"]) == 0
@@ -432,8 +594,25 @@ def test_eval_interrupted_while_writing_leaves_no_partial_file(capsys, tmp_path,
 
     monkeypatch.setattr(evaluation, "plot_passkey", interrupted)
     out = tmp_path / "res"
-    assert main(["eval", "passkey", "--model", str(llama_folder), "--lengths", "150", "--depths", "0", "--trials", "1",
-                 "--out", str(out)]) == 130
+    assert (
+        main(
+            [
+                "eval",
+                "passkey",
+                "--model",
+                str(llama_folder),
+                "--lengths",
+                "150",
+                "--depths",
+                "0",
+                "--trials",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 130
+    )
     assert "interrupted" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["passkey.json"]  # complete; no plot, no temporary file
     assert json.loads((out / "passkey.json").read_text())["cells"][0]["length"] == 150
@@ -447,13 +626,20 @@ def test_eval_and_generate_take_a_sentencepiece_model_file(capsys, tmp_path, lla
     import io
 
     from conftest import tiny_model
+
     from samba_hf.conversion.sentencepiece_tokenizer import tokenizer_from_sentencepiece
     from samba_hf.model_folder import tokenizer_for
 
     blob = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter([PASSKEY_FILLER, PASSKEY_INSTRUCTION, "The pass key is 12345. Remember it."] * 20),
-        model_writer=blob, vocab_size=320, model_type="bpe", byte_fallback=True, minloglevel=2, hard_vocab_limit=False)
+        model_writer=blob,
+        vocab_size=320,
+        model_type="bpe",
+        byte_fallback=True,
+        minloglevel=2,
+        hard_vocab_limit=False,
+    )
     model_file = tmp_path / "tokenizer.model"
     model_file.write_bytes(blob.getvalue())
     tiny_model(vocab_size=400).save_pretrained(tmp_path / "samba")  # no tokenizer of its own
@@ -462,10 +648,30 @@ def test_eval_and_generate_take_a_sentencepiece_model_file(capsys, tmp_path, lla
     tokenizer = tokenizer_for(tmp_path / "samba", model_file)
     assert tokenizer(text).input_ids == sp.encode_as_ids(text)
     assert tokenizer.get_vocab() == tokenizer_from_sentencepiece(model_file).get_vocab()
-    eval_argv = ["eval", "passkey", "--model", str(llama_folder), "--lengths", "300", "--depths", "0", "--trials", "1",
-                 "--tokenizer", str(model_file)]
-    generate_argv = ["generate", "The grass is green.", "--model", str(tmp_path / "samba"), "--max-new-tokens", "2",
-                     "--tokenizer", str(model_file)]
+    eval_argv = [
+        "eval",
+        "passkey",
+        "--model",
+        str(llama_folder),
+        "--lengths",
+        "300",
+        "--depths",
+        "0",
+        "--trials",
+        "1",
+        "--tokenizer",
+        str(model_file),
+    ]
+    generate_argv = [
+        "generate",
+        "The grass is green.",
+        "--model",
+        str(tmp_path / "samba"),
+        "--max-new-tokens",
+        "2",
+        "--tokenizer",
+        str(model_file),
+    ]
     assert main(eval_argv) == 0
     assert main(generate_argv) == 0
     capsys.readouterr()
@@ -474,6 +680,9 @@ def test_eval_and_generate_take_a_sentencepiece_model_file(capsys, tmp_path, lla
     for argv in (eval_argv, generate_argv):
         one_line_error(capsys, [*argv[:-1], str(tmp_path / "cut.model")], "cut.model is not a SentencePiece model")
         one_line_error(capsys, [*argv[:-1], str(tmp_path / "missing.model")], "no such file: ")
-        one_line_error(capsys, [*argv[:-1], str(tmp_path / "tokenizer.json")],
-                       "--tokenizer takes a tokenizer folder (tokenizer.json, tokenizer_config.json, ...), a Hub name "
-                       "or a SentencePiece .model file")
+        one_line_error(
+            capsys,
+            [*argv[:-1], str(tmp_path / "tokenizer.json")],
+            "--tokenizer takes a tokenizer folder (tokenizer.json, tokenizer_config.json, ...), a Hub name "
+            "or a SentencePiece .model file",
+        )

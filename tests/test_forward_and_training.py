@@ -3,9 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers.masking_utils import create_recurrent_attention_mask, create_sliding_window_causal_mask
-
 from conftest import returned_cache, tiny_model
+from transformers.masking_utils import create_recurrent_attention_mask, create_sliding_window_causal_mask
 
 
 def test_loss_is_the_shifted_cross_entropy():
@@ -19,7 +18,9 @@ def test_loss_is_the_shifted_cross_entropy():
 
 
 def test_gradients_reach_every_parameter():
-    model = tiny_model(layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"]).train()
+    model = tiny_model(
+        layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"]
+    ).train()
     ids = torch.randint(3, 97, (2, 20))
     model(ids, labels=ids).loss.backward()
     for name, param in model.named_parameters():

@@ -8,18 +8,44 @@ processes it trains with DDP and says nothing), hence the load-time sharding her
 import json
 import sys
 
+import test_multiprocess
 import torch
 from safetensors.torch import load_file
+from test_multiprocess import SCRIPT, free_port, run
 
-from test_multiprocess import SCRIPT, free_port, run, start  # noqa: F401  (start: the module's fixture)
+start = test_multiprocess.start  # the module's fixture, which pytest finds here under this name
 
 COMMON = ["--global-batch", "4", "--per-device-batch", "2", "--steps", "3", "--block", "32"]
 
 
-def two_processes(start, out, *options):
-    run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-         str(SCRIPT), "--model", str(start), "--out", str(out), *COMMON, "--fsdp", *options], cwd=out.parent)
+def two_processes(model, out, *options):
+    run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            str(SCRIPT),
+            "--model",
+            str(model),
+            "--out",
+            str(out),
+            *COMMON,
+            "--fsdp",
+            *options,
+        ],
+        cwd=out.parent,
+    )
     return json.loads((out / "losses.json").read_text())
 
 

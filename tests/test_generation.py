@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from conftest import cache_kwarg, held_bytes, returned_cache, tiny_model
 from transformers import (
     AutoTokenizer,
     DynamicCache,
@@ -21,8 +22,6 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionL
 
 import samba_hf
 from samba_hf.cli import default_model_path
-
-from conftest import cache_kwarg, held_bytes, returned_cache, tiny_model
 
 NEW = 30  # tokens generated: almost 4 windows of 8
 
@@ -48,7 +47,9 @@ def prompt():
 def gen(model, ids, **kwargs):
     kwargs.setdefault("pad_token_id", 0)
     kwargs.setdefault("eos_token_id", None)
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=kwargs.pop("max_new_tokens", NEW), **kwargs)
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=kwargs.pop("max_new_tokens", NEW), **kwargs
+    )
 
 
 def test_greedy_equals_no_cache_recomputation(model, prompt):
@@ -99,8 +100,9 @@ def assert_left_padded_rows_equal_their_own_runs(model, new_tokens=NEW):
     mask = torch.zeros_like(ids)
     for row, seq in enumerate(seqs):
         ids[row, width - len(seq) :], mask[row, width - len(seq) :] = seq, 1
-    batched = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
+    batched = model.generate(
+        ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
     for row, seq in enumerate(seqs):
         alone = gen(model, seq[None], do_sample=False, max_new_tokens=new_tokens)
         assert torch.equal(batched[row, width - len(seq) :], alone[0])
@@ -121,8 +123,15 @@ def test_continue_from_the_cache_of_an_earlier_generate(model, prompt):
     first = gen(model, prompt, do_sample=False, max_new_tokens=12, return_dict_in_generate=True)
     cache = returned_cache(first)
     # the cache holds everything but the last generated token: generate continues from there
-    second = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences), **cache_kwarg(cache),
-                            max_new_tokens=15, do_sample=False, pad_token_id=0, eos_token_id=None)
+    second = model.generate(
+        first.sequences,
+        attention_mask=torch.ones_like(first.sequences),
+        **cache_kwarg(cache),
+        max_new_tokens=15,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     assert torch.equal(second, no_cache_greedy(model, prompt, 27))
 
 
@@ -130,19 +139,29 @@ def test_continue_from_the_cache_of_a_forward(model, prompt):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(prompt[:, :-1], cache=cache, use_cache=True)
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), **cache_kwarg(cache), max_new_tokens=NEW,
-                         do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        **cache_kwarg(cache),
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     assert torch.equal(out, no_cache_greedy(model, prompt, NEW))
 
 
 def test_static_cache(model, prompt):
-    assert torch.equal(gen(model, prompt, do_sample=False, cache_implementation="static"), no_cache_greedy(model, prompt, NEW))
+    assert torch.equal(
+        gen(model, prompt, do_sample=False, cache_implementation="static"), no_cache_greedy(model, prompt, NEW)
+    )
 
 
 def compiled_generate_equals_eager(model, vocab: int, new_tokens: int = 20):
     """transformers' own switches (a static cache, `compile_config`) compile the decode step in one graph
-    (fullgraph=True; on a GPU its default mode, "reduce-overhead", replays it as a CUDA graph); it recompiles a bounded number of times (the window filling), not once per token, and gives
-    the eager dynamic cache's tokens, for a left-padded batch."""
+    (fullgraph=True; on a GPU its default mode, "reduce-overhead", replays it as a CUDA graph); it recompiles a bounded
+    number of times (the window filling), not once per token, and gives the eager dynamic cache's tokens, for a
+    left-padded batch."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
@@ -196,8 +215,16 @@ def test_cache_stays_bounded_while_generating(model):
         assert total <= expected_bytes
         seen.append(total)
 
-    model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwarg(cache), max_new_tokens=steps,
-                   do_sample=False, pad_token_id=0, eos_token_id=None, stopping_criteria=StoppingCriteriaList([EveryStep(check)]))
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        **cache_kwarg(cache),
+        max_new_tokens=steps,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        stopping_criteria=StoppingCriteriaList([EveryStep(check)]),
+    )
     assert len(seen) == steps
     assert seen[-1] == expected_bytes and seen[-10] == expected_bytes  # flat once the window is full
 
@@ -210,7 +237,9 @@ def test_cache_nbytes_against_a_full_attention_layout():
     # 6 Mamba layers: 3072 x (4 + 16) x 4 bytes; 6 SWA layers: 2 x 12 heads x (2047 kept + 128 of room) x 128 x 4 bytes
     assert samba_model.cache_nbytes(1) == 6 * 3072 * 20 * 4 + 6 * 2 * 12 * (2047 + 128) * 128 * 4
     assert samba_model.cache_nbytes(1, seq_len=65536) == samba_model.cache_nbytes(1)
-    assert samba_model.cache_nbytes(1, seq_len=100) == samba_model.cache_nbytes(1)  # the buffers are whole from the start
+    assert samba_model.cache_nbytes(1, seq_len=100) == samba_model.cache_nbytes(
+        1
+    )  # the buffers are whole from the start
     assert llama_model.cache_nbytes(1, seq_len=65536) == 12 * 2 * 12 * 65536 * 128 * 4
     with pytest.raises(ValueError, match="pass seq_len"):
         llama_model.cache_nbytes(1)
@@ -230,7 +259,11 @@ def test_stopping_eos_lists_and_padding(model, prompt):
     class StopAfter(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
             return torch.full((input_ids.shape[0],), input_ids.shape[1] >= prompt.shape[1] + 5)
-    assert gen(model, prompt, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter()])).shape[1] == prompt.shape[1] + 5
+
+    assert (
+        gen(model, prompt, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter()])).shape[1]
+        == prompt.shape[1] + 5
+    )
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +287,9 @@ def test_text_iterator_streamer(default_model_and_tokenizer):
     ids = tokenizer("The Samba", return_tensors="pt").input_ids
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
     result = {}
-    thread = threading.Thread(target=lambda: result.update(out=model.generate(ids, max_new_tokens=16, do_sample=False, streamer=streamer)))
+    thread = threading.Thread(
+        target=lambda: result.update(out=model.generate(ids, max_new_tokens=16, do_sample=False, streamer=streamer))
+    )
     thread.start()
     pieces = list(streamer)
     thread.join()

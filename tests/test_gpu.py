@@ -8,16 +8,16 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import counted_chunked_ssd, returned_cache, tiny_model
 
 from samba_hf import ssm_samba
-
-from conftest import counted_chunked_ssd, returned_cache, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 KERNELS = ssm_samba.load_kernels()
 needs_mamba_ssm = pytest.mark.skipif(
     KERNELS.selective_state_update is None or KERNELS.mamba_chunk_scan_combined is None,
-    reason="needs mamba-ssm's Triton kernels")
+    reason="needs mamba-ssm's Triton kernels",
+)
 needs_cuda_scan = pytest.mark.skipif(KERNELS.selective_scan_fn is None, reason="needs mamba-ssm's CUDA scan")
 needs_causal_conv1d = pytest.mark.skipif(KERNELS.causal_conv1d_fn is None, reason="needs causal-conv1d")
 
@@ -93,8 +93,14 @@ def test_samba_hfs_triton_conv_matches_the_module_with_gradients(triton_scans_on
 
 
 def _greedy(model, ids, steps):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=steps,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "flex_attention", "flash_attention_2"])
@@ -212,18 +218,23 @@ def triton_scans_only(monkeypatch):
         if getattr(KERNELS, name) is None:
             pytest.skip(f"samba-hf's {name} does not load here: {KERNELS.missing.get(name)}")
     own = ("selective_scan_triton", "ssd_scan_triton", "ssd_chunked_triton", "causal_conv_triton")
-    monkeypatch.setattr(ssm_samba, "_KERNELS", KERNELS._replace(
-        **{name: None for name in ssm_samba.Kernels._fields[:-1] if name not in own}))
+    monkeypatch.setattr(
+        ssm_samba,
+        "_KERNELS",
+        KERNELS._replace(**{name: None for name in ssm_samba.Kernels._fields[:-1] if name not in own}),
+    )
     for name in ("selective_scan_pytorch", "ssd_scan_pytorch"):
         monkeypatch.setattr(ssm_samba, name, not_on_cuda(getattr(ssm_samba, name)))
 
 
 def not_on_cuda(scan):
     """`scan` for CPU tensors (the reference models run there); a failed test if a CUDA tensor reaches it."""
+
     def guarded(x, *args, **kwargs):
         if x.is_cuda:
             pytest.fail(f"{scan.__name__} ran on CUDA tensors")
         return scan(x, *args, **kwargs)
+
     return guarded
 
 
@@ -266,8 +277,9 @@ def test_samba_hfs_triton_scans_match_pytorch_with_gradients(triton_scans_only, 
     B, C = (torch.randn(b, L, n, device="cuda", generator=g) for _ in range(2))
     D, h0 = torch.randn(d, device="cuda", generator=g), torch.randn(b, d, n, device="cuda", generator=g)
     inputs = (u, dt, A, B, C, D, z, h0)
-    assert_all_close(values_and_gradients(ssm_samba.selective_scan, inputs), values_and_gradients(PYTORCH_SCAN, inputs),
-                     tol)
+    assert_all_close(
+        values_and_gradients(ssm_samba.selective_scan, inputs), values_and_gradients(PYTORCH_SCAN, inputs), tol
+    )
     heads, head_dim, groups, n = 8, 16, 2, 32
     x = torch.randn(b, L, heads, head_dim, device="cuda", generator=g).to(dtype)
     dt = torch.nn.functional.softplus(torch.randn(b, L, heads, device="cuda", generator=g) - 2)
@@ -283,8 +295,9 @@ def test_samba_hfs_chunked_ssd_matches_float64_on_a_prompt(triton_scans_only, mo
     """Mamba-2 inference on a half-precision prompt takes samba-hf's chunked SSD (its products on the tensor cores):
     against the float64 recurrence on the same rounded inputs, the 8B's head shape (64 x 128), several chunks and a
     part, from a state. (CI checks float16 under the interpreter, whose bf16 products are wrong.)"""
-    from samba_hf import triton_scan_samba
     from test_mamba2 import float64_ssd
+
+    from samba_hf import triton_scan_samba
 
     calls = counted_chunked_ssd(monkeypatch, skip_check=False)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -292,7 +305,7 @@ def test_samba_hfs_chunked_ssd_matches_float64_on_a_prompt(triton_scans_only, mo
     x = torch.randn(b, L, heads, head_dim, device="cuda", generator=g).to(dtype)
     dt = torch.nn.functional.softplus(torch.randn(b, L, heads, device="cuda", generator=g) - 2)
     A, D = -torch.exp(torch.randn(heads, device="cuda", generator=g)), torch.randn(heads, device="cuda", generator=g)
-    B, C = (torch.randn(b, L, groups, n, device="cuda", generator=g).to(dtype) / n ** 0.5 for _ in range(2))
+    B, C = (torch.randn(b, L, groups, n, device="cuda", generator=g).to(dtype) / n**0.5 for _ in range(2))
     h0 = torch.randn(b, heads, head_dim, n, device="cuda", generator=g)
     with torch.no_grad():
         y, h = ssm_samba.ssd_scan(x, dt, A, B, C, D, h0)
@@ -312,14 +325,19 @@ def test_an_eager_decoding_step_neither_synchronises_nor_builds_cudnn_graphs(kin
     stepped in 62 ms at 1K of context, its window still growing, and 16 ms at 64K. Now a step reads nothing back
     and keeps sdpa off cuDNN over the cache; where torch itself would take cuDNN for these shapes, that is checked
     too. bf16, heads of 64 (cuDNN's sizes), the keys growing at every step; the tokens are the same either way."""
+    from test_mamba2 import tiny_mamba2
     from torch.nn.functional import scaled_dot_product_attention
     from torch.profiler import ProfilerActivity, profile
 
-    from test_mamba2 import tiny_mamba2
-
-    shapes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                  sliding_window=64)
-    model = (tiny_model(seed=6, **shapes) if kind == "samba" else tiny_mamba2("megatron", seed=6, **shapes))
+    shapes = dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=64,
+    )
+    model = tiny_model(seed=6, **shapes) if kind == "samba" else tiny_mamba2("megatron", seed=6, **shapes)
     model = model.cuda().to(torch.bfloat16)
     ids = torch.randint(3, 97, (1, 12), device="cuda")
 
@@ -395,8 +413,12 @@ def test_long_sliding_window_inputs_run_flex_attention_and_match_the_cpu(monkeyp
     # without failing (it goes block-wise from a failure on: on an H100 with torch 2.11, the cached continuation failed
     # to compile while shapes were dynamic)
     config = gpu.config
-    key = modeling.flex_attention_key(torch.device("cuda", torch.cuda.current_device()), dtype, config.head_dim,
-                                      config.num_attention_heads // config.num_key_value_heads)
+    key = modeling.flex_attention_key(
+        torch.device("cuda", torch.cuda.current_device()),
+        dtype,
+        config.head_dim,
+        config.num_attention_heads // config.num_key_value_heads,
+    )
     assert modeling._FLEX_ATTENTION_WORKS[key]
     sliding_layers = cpu.config.layer_types.count("sliding_attention")
     assert len(calls) >= 3 * sliding_layers + 1 and all(device.type == "cuda" for device in calls)

@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import samba_hf
 from samba_hf.cli import default_model_path
 from samba_hf.hub_samba import REMOTE_CODE_FILES
-
-from conftest import tiny_model
 
 DEFAULT = Path(default_model_path())
 PACKAGE = Path(samba_hf.__file__).parent
@@ -66,10 +65,20 @@ builtins.__import__ = guarded
 
 
 def run_without_samba_hf(code: str, folder: Path, timeout=600) -> str:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(folder.parent / "modules_cache"),
-           "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, "-c", WITHOUT_SAMBA_HF + textwrap.dedent(code)], capture_output=True,
-                            text=True, env=env, cwd=folder.parent, timeout=timeout)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(folder.parent / "modules_cache"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_SAMBA_HF + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=folder.parent,
+        timeout=timeout,
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     return result.stdout
 
@@ -82,13 +91,16 @@ def default_copy(tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(folder)
     ids = torch.tensor([[5, 17, 300, 2000, 41, 9, 4000]])
     with torch.no_grad():
-        torch.save({"ids": ids, "logits": model(ids).logits, "hidden": model.model(ids).last_hidden_state},
-                   folder.parent / "expected.pt")
+        torch.save(
+            {"ids": ids, "logits": model(ids).logits, "hidden": model.model(ids).last_hidden_state},
+            folder.parent / "expected.pt",
+        )
     return folder
 
 
 def test_the_default_model_loads_without_samba_hf(default_copy):
-    out = run_without_samba_hf(f"""
+    out = run_without_samba_hf(
+        f"""
         import torch
         from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
         folder = {str(default_copy)!r}
@@ -102,20 +114,26 @@ def test_the_default_model_loads_without_samba_hf(default_copy):
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)  # it reads config.json too
         ids = tokenizer("The assert statement", return_tensors="pt").input_ids
         print("OK", type(model).__name__, type(base).__name__, model.generate(ids, max_new_tokens=3).shape[1])
-    """, default_copy)
+    """,
+        default_copy,
+    )
     assert out.strip().splitlines()[-1].split() == ["OK", "SambaForCausalLM", "SambaModel", "6"]
 
 
 def test_trl_trains_the_default_model_from_its_path_without_samba_hf(default_copy):
-    out = run_without_samba_hf(f"""
+    out = run_without_samba_hf(
+        f"""
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
         data = Dataset.from_dict({{"text": ["The assert statement is a way to insert checks."] * 8}})
         args = SFTConfig(output_dir="trl-out", max_steps=2, per_device_train_batch_size=4, report_to=[],
-                         use_cpu=True, max_length=32, model_init_kwargs={{"trust_remote_code": True}}, save_strategy="no")
+                         use_cpu=True, max_length=32, model_init_kwargs={{"trust_remote_code": True}},
+                         save_strategy="no")
         trainer = SFTTrainer(model={str(default_copy)!r}, args=args, train_dataset=data)
         print("LOSS", trainer.train().training_loss)
-    """, default_copy)
+    """,
+        default_copy,
+    )
     assert float(out.split("LOSS")[-1]) > 0
 
 
@@ -126,14 +144,18 @@ def test_lm_eval_scores_the_default_model_without_samba_hf(default_copy):
     from pydoc_data.topics import topics
 
     text = topics["if"] + topics["while"] + topics["for"]
-    out = run_without_samba_hf(f"""
+    out = run_without_samba_hf(
+        f"""
         from lm_eval.api.instance import Instance
         from lm_eval.models.huggingface import HFLM
-        lm = HFLM(pretrained={str(default_copy)!r}, trust_remote_code=True, batch_size=1, device="cpu", dtype="float32")
+        lm = HFLM(pretrained={str(default_copy)!r}, trust_remote_code=True, batch_size=1, device="cpu",
+                  dtype="float32")
         rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {{}}, ({text!r},), 0)])
         generated = lm.generate_until([Instance("generate_until", {{}}, ("The assert", {{"max_gen_toks": 4}}), 0)])
         print("MAXLEN", lm.max_length, "PREFIX", lm.prefix_token_id, "LL", rolling[0], "GEN", len(generated[0]))
-    """, default_copy)
+    """,
+        default_copy,
+    )
     fields = out.split("MAXLEN")[-1].split()
     max_length, prefix, log_likelihood = int(fields[0]), int(fields[2]), float(fields[4])
     tokenizer, model = AutoTokenizer.from_pretrained(default_copy), AutoModelForCausalLM.from_pretrained(default_copy)
@@ -168,7 +190,8 @@ def test_a_conversion_carries_metadata_and_the_sources_license(tmp_path):
     from samba_hf.conversion import convert
 
     MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, state_size=4)).save_pretrained(
-        tmp_path / "mamba")
+        tmp_path / "mamba"
+    )
     config = json.loads((tmp_path / "mamba" / "config.json").read_text())
     (tmp_path / "mamba" / "config.json").write_text(json.dumps({**config, "_name_or_path": "state-spaces/mamba-tiny"}))
     (tmp_path / "mamba" / "README.md").write_text("---\nlicense: mit\n---\n# a mamba\n")
@@ -176,5 +199,7 @@ def test_a_conversion_carries_metadata_and_the_sources_license(tmp_path):
     meta = card_metadata(tmp_path / "out")
     assert_hub_metadata(meta, license="mit")
     assert meta["base_model"] == "state-spaces/mamba-tiny" and "converted" in meta["tags"]
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]["AutoModel"] == \
-        "modeling_samba.SambaModel"
+    assert (
+        json.loads((tmp_path / "out" / "config.json").read_text())["auto_map"]["AutoModel"]
+        == "modeling_samba.SambaModel"
+    )

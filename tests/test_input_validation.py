@@ -8,32 +8,59 @@ import typing
 
 import pytest
 import torch
+from conftest import tiny_config, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, EncoderDecoderCache, StaticCache
 
 from samba_hf import SambaConfig, SambaForCausalLM, SambaYConfig, SambaYForCausalLM
 
-from conftest import tiny_config, tiny_model
-
 # What the error says each typed field of SambaConfig must be, and values of the wrong type for it.
 TYPED_FIELDS = {
     **dict.fromkeys(
-        ["vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings",
-         "mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size", "mamba_version", "mamba2_head_dim",
-         "mamba2_n_groups", "mamba2_chunk_size"],
+        [
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "max_position_embeddings",
+            "mamba_d_state",
+            "mamba_d_conv",
+            "mamba_expand",
+            "inference_chunk_size",
+            "mamba_version",
+            "mamba2_head_dim",
+            "mamba2_n_groups",
+            "mamba2_chunk_size",
+        ],
         "an int",
     ),
-    **dict.fromkeys(["num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window", "pad_token_id",
-                     "bos_token_id"], "an int or None"),
+    **dict.fromkeys(
+        ["num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window", "pad_token_id", "bos_token_id"],
+        "an int or None",
+    ),
     "eos_token_id": "an int, a list of ints or None",
     "mamba_dt_rank": 'a positive int or "auto"',
     **dict.fromkeys(
-        ["initializer_range", "rms_norm_eps", "attention_dropout", "mamba_dt_min", "mamba_dt_max",
-         "mamba_dt_init_floor", "mamba_dt_scale"],
+        [
+            "initializer_range",
+            "rms_norm_eps",
+            "attention_dropout",
+            "mamba_dt_min",
+            "mamba_dt_max",
+            "mamba_dt_init_floor",
+            "mamba_dt_scale",
+        ],
         "a finite number",
     ),
     **dict.fromkeys(
-        ["use_cache", "tie_word_embeddings", "use_rope", "attention_bias", "mamba_conv_bias", "mamba_proj_bias",
-         "mlp_gated"],
+        [
+            "use_cache",
+            "tie_word_embeddings",
+            "use_rope",
+            "attention_bias",
+            "mamba_conv_bias",
+            "mamba_proj_bias",
+            "mlp_gated",
+        ],
         "true or false",
     ),
 }
@@ -114,16 +141,26 @@ def test_nan_and_inf_in_float_fields(field, value):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("num_attention_heads", "4"), ("use_rope", "false"), ("hidden_act", "gelu_fancy"), ("attention_dropout", 1.5),
-     ("rope_parameters", {"rope_type": "bogus", "rope_theta": 10000.0}), ("rms_norm_eps", 0)],
+    [
+        ("num_attention_heads", "4"),
+        ("use_rope", "false"),
+        ("hidden_act", "gelu_fancy"),
+        ("attention_dropout", 1.5),
+        ("rope_parameters", {"rope_type": "bogus", "rope_theta": 10000.0}),
+        ("rms_norm_eps", 0),
+    ],
 )
 def test_bad_values_in_config_json_are_named_on_load(tmp_path, field, value):
     tiny_config().save_pretrained(tmp_path)
     fields = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**fields, field: value}))
     message = rf"^SambaConfig: `{re.escape(field)}"
-    for load in (SambaConfig.from_pretrained, AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained,
-                 lambda folder: SambaConfig.from_dict({**fields, field: value})):
+    for load in (
+        SambaConfig.from_pretrained,
+        AutoConfig.from_pretrained,
+        AutoModelForCausalLM.from_pretrained,
+        lambda folder: SambaConfig.from_dict({**fields, field: value}),
+    ):
         with raises(message):
             load(tmp_path)
 
@@ -141,8 +178,17 @@ def test_pad_token_id_outside_the_vocabulary_is_refused_when_the_model_is_built(
     with raises(message):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     with raises(r"^SambaYConfig: `pad_token_id` is 64, outside the vocabulary of 64 tokens"):
-        SambaYForCausalLM(SambaYConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=64))
+        SambaYForCausalLM(
+            SambaYConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                pad_token_id=64,
+            )
+        )
 
 
 @pytest.mark.parametrize("pad", [None, 0, 96, -1, -97])
@@ -184,16 +230,20 @@ def test_empty_batch(model, ids):
     # transformers' Llama fails inside its attention ("cannot reshape tensor of 0 elements"); one clear error here
     with raises(r"input_ids must have shape \(batch, seq\) with batch >= 1 and seq >= 1, got \(0, 5\)"):
         model(torch.zeros(0, 5, dtype=torch.long))
-    with raises(r"inputs_embeds must have shape \(batch, seq, hidden_size\) with batch >= 1 and seq >= 1, got "
-                rf"\(0, 5, {model.config.hidden_size}\)"):
+    with raises(
+        r"inputs_embeds must have shape \(batch, seq, hidden_size\) with batch >= 1 and seq >= 1, got "
+        rf"\(0, 5, {model.config.hidden_size}\)"
+    ):
         model(inputs_embeds=torch.zeros(0, 5, model.config.hidden_size))
 
 
 @pytest.mark.parametrize("keep", [-1, -3])
 def test_negative_logits_to_keep(model, ids, keep):
     # transformers' Llama reads -3 as slice(3, None), the last seq-3 positions: an accident, refused here
-    with raises(rf"logits_to_keep must be 0 \(every position\), a count of last positions >= 1, or a 1D tensor of "
-                rf"positions, got {keep}"):
+    with raises(
+        rf"logits_to_keep must be 0 \(every position\), a count of last positions >= 1, or a 1D tensor of "
+        rf"positions, got {keep}"
+    ):
         model(ids, logits_to_keep=keep)
     assert model(ids, logits_to_keep=2).logits.shape[1] == 2
 
@@ -271,10 +321,14 @@ def test_cache_filled_by_a_model_of_other_widths(model, ids):
 
 
 FOREIGN_CACHES = {
-    "a string": ("DynamicCache", "str"), "a tuple": (((torch.zeros(1), torch.zeros(1)),), "tuple"),
-    "an EncoderDecoderCache": (EncoderDecoderCache(DynamicCache(), DynamicCache()),
-                               r"an EncoderDecoderCache \(for encoder-decoder models\)"),
-    "a tensor": (torch.zeros(2), "Tensor"), "an object": (object(), "object"),
+    "a string": ("DynamicCache", "str"),
+    "a tuple": (((torch.zeros(1), torch.zeros(1)),), "tuple"),
+    "an EncoderDecoderCache": (
+        EncoderDecoderCache(DynamicCache(), DynamicCache()),
+        r"an EncoderDecoderCache \(for encoder-decoder models\)",
+    ),
+    "a tensor": (torch.zeros(2), "Tensor"),
+    "an object": (object(), "object"),
 }
 
 
@@ -284,9 +338,11 @@ def test_cache_that_is_not_a_cache(model, ids, argument, name):
     """One TypeError naming what is taken, from forward and from generate (where transformers fails on a missing
     attribute, `_is_user_defined` or `is_compileable`, or says only that a tuple is not supported)."""
     cache, given = FOREIGN_CACHES[name]
-    message = (r"^The cache \(`cache=` or `past_key_values=`\) must be a transformers Cache built for this model, "
-               rf"`DynamicCache\(config=model.config\)` or `StaticCache\(config=model.config, max_cache_len=...\)`, "
-               rf"or None for a new one; got {given}\.$")
+    message = (
+        r"^The cache \(`cache=` or `past_key_values=`\) must be a transformers Cache built for this model, "
+        rf"`DynamicCache\(config=model.config\)` or `StaticCache\(config=model.config, max_cache_len=...\)`, "
+        rf"or None for a new one; got {given}\.$"
+    )
     with pytest.raises(TypeError, match=message):
         model(ids, **{argument: cache}, use_cache=True)
     with pytest.raises(TypeError, match=message):
@@ -297,15 +353,19 @@ def test_cache_that_is_not_a_cache(model, ids, argument, name):
 def test_offloaded_cache_off_a_gpu(model, ids, implementation):
     # transformers' offloading synchronises CUDA streams: without CUDA it fails on "Torch not compiled with CUDA
     # enabled" (an AssertionError from inside torch), for Llama as for Samba
-    with raises(rf"^cache_implementation='{implementation}' moves the cache between a CUDA GPU and the CPU, but this "
-                r"model is on cpu: leave it out"):
+    with raises(
+        rf"^cache_implementation='{implementation}' moves the cache between a CUDA GPU and the CPU, but this "
+        r"model is on cpu: leave it out"
+    ):
         model.generate(ids, cache_implementation=implementation, max_new_tokens=2, do_sample=False)
 
 
 def test_inputs_embeds_of_an_integer_dtype(model, ids):
     embeds = torch.ones(2, 6, model.config.hidden_size, dtype=torch.long)
-    with raises(r"^inputs_embeds must be floating point \(embedding vectors\), got dtype torch.int64: pass token ids "
-                r"as `input_ids`"):
+    with raises(
+        r"^inputs_embeds must be floating point \(embedding vectors\), got dtype torch.int64: pass token ids "
+        r"as `input_ids`"
+    ):
         model(inputs_embeds=embeds)
     with raises(r"got dtype torch.int32"):
         model.generate(inputs_embeds=embeds.int(), max_new_tokens=2, do_sample=False)
@@ -346,10 +406,10 @@ def test_a_decoding_step_without_value_reads_runs_and_reads_nothing_back(monkeyp
     whether a 2D mask is all ones, for a full-attention layer, as it does for its own models.)"""
     import traceback
 
+    from test_mamba2 import tiny_mamba2
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from samba_hf import validation_samba
-    from test_mamba2 import tiny_mamba2
 
     model = tiny_model(seed=2) if layout == "samba" else tiny_mamba2("megatron", seed=2)
     ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(2))
@@ -358,7 +418,8 @@ def test_a_decoding_step_without_value_reads_runs_and_reads_nothing_back(monkeyp
     class ValueReads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default) and not any(
-                    "masking_utils" in frame.filename for frame in traceback.extract_stack()):
+                "masking_utils" in frame.filename for frame in traceback.extract_stack()
+            ):
                 reads.append(str(func))
             return func(*args, **(kwargs or {}))
 

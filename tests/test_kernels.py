@@ -23,8 +23,9 @@ import torch
 from samba_hf import ssm_samba
 
 # Under the switch every test runs: a package missing from that environment fails them rather than skipping them.
-pytestmark = pytest.mark.skipif(not ssm_samba.INTERPRET_KERNELS,
-                                reason="needs TRITON_INTERPRET=1 SAMBA_HF_INTERPRET_KERNELS=1 (see the docstring)")
+pytestmark = pytest.mark.skipif(
+    not ssm_samba.INTERPRET_KERNELS, reason="needs TRITON_INTERPRET=1 SAMBA_HF_INTERPRET_KERNELS=1 (see the docstring)"
+)
 
 if ssm_samba.INTERPRET_KERNELS:
     import kernel_extensions
@@ -38,8 +39,13 @@ from test_reference_models import float64_recurrence  # noqa: E402
 KERNEL_NAMES = ssm_samba.Kernels._fields[:-1]
 
 
-PACKAGES = ("selective_scan_fn", "selective_state_update", "mamba_chunk_scan_combined", "causal_conv1d_fn",
-            "causal_conv1d_update")  # mamba-ssm's and causal-conv1d's
+PACKAGES = (
+    "selective_scan_fn",
+    "selective_state_update",
+    "mamba_chunk_scan_combined",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)  # mamba-ssm's and causal-conv1d's
 
 
 def only(monkeypatch, names) -> dict:
@@ -54,6 +60,7 @@ def only(monkeypatch, names) -> dict:
         def wrapped(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
+
         return wrapped
 
     chosen = {name: counting(name, getattr(loaded, name)) if name in names else None for name in KERNEL_NAMES}
@@ -109,6 +116,7 @@ def assert_close(actual, expected, tol):
 
 
 # ---- the kernels, one by one ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_mamba_decoding_step_runs_mamba_ssms_triton_kernel(kernels, dtype):
@@ -166,7 +174,9 @@ def test_the_mamba_scan_runs_selective_scan_fn_from_any_state(kernels, monkeypat
 def test_samba_hfs_triton_scan_equals_float64_with_its_gradients(triton_only, length, from_state):
     u, dt, A, B, C, D, z, h0 = scan_inputs(length=length)
     h0 = h0 if from_state else None
-    leaves = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)] + ([h0.clone().requires_grad_()] if from_state else [])
+    leaves = [t.clone().requires_grad_() for t in (u, dt, A, B, C, D, z)] + (
+        [h0.clone().requires_grad_()] if from_state else []
+    )
     y, h = ssm_samba.selective_scan(*leaves[:7], leaves[7] if from_state else None)
     assert triton_only["selective_scan_triton"] == 1 and y.dtype == torch.float32 and h.dtype == torch.float32
     weights = torch.randn_like(y), torch.randn_like(h)
@@ -183,14 +193,19 @@ def test_samba_hfs_triton_scan_equals_float64_with_its_gradients(triton_only, le
 
 @pytest.mark.parametrize("length", [1, 21, 70])
 @pytest.mark.parametrize("from_state", [False, True])
-@pytest.mark.parametrize("shape", [
-    dict(heads=6, head_dim=4, groups=3, d_state=5),  # a block of channels spans several groups
-    dict(heads=4, head_dim=16, groups=1, d_state=16),  # every block inside one group
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(heads=6, head_dim=4, groups=3, d_state=5),  # a block of channels spans several groups
+        dict(heads=4, head_dim=16, groups=1, d_state=16),  # every block inside one group
+    ],
+)
 def test_samba_hfs_triton_ssd_equals_float64_with_its_gradients(triton_only, length, from_state, shape):
     x, dt, A, B, C, D, h0 = ssd_inputs(length=length, **shape)
     h0 = h0 if from_state else None
-    leaves = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D)] + ([h0.clone().requires_grad_()] if from_state else [])
+    leaves = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D)] + (
+        [h0.clone().requires_grad_()] if from_state else []
+    )
     y, h = ssm_samba.ssd_scan(*leaves[:6], leaves[6] if from_state else None)
     assert triton_only["ssd_scan_triton"] == 1 and y.shape == x.shape and h.dtype == torch.float32
     weights = torch.randn_like(y), torch.randn_like(h)
@@ -209,10 +224,13 @@ def test_samba_hfs_triton_ssd_equals_float64_with_its_gradients(triton_only, len
 # float16 right), so CI checks the chunked SSD in float16, the same kernel; tests/test_gpu.py checks bf16 on a GPU.
 @pytest.mark.parametrize("length", [16, 37, 100])  # one chunk of 32 cut short, two and a part, four and a part
 @pytest.mark.parametrize("from_state", [False, True])
-@pytest.mark.parametrize("shape", [
-    dict(heads=6, head_dim=4, groups=3, d_state=5),  # groups of two heads
-    dict(heads=2, head_dim=40, groups=2, d_state=20),  # a head's channels in two programs of 32, the second cut
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(heads=6, head_dim=4, groups=3, d_state=5),  # groups of two heads
+        dict(heads=2, head_dim=40, groups=2, d_state=20),  # a head's channels in two programs of 32, the second cut
+    ],
+)
 def test_the_chunked_ssd_equals_float64(triton_only, monkeypatch, length, from_state, shape):
     """Mamba-2 inference on a half-precision prompt: the chunked SSD (products in x's dtype, accumulated in float32)
     against the float64 recurrence on the same rounded inputs, y and the last state."""
@@ -250,6 +268,7 @@ def test_only_half_precision_inference_on_a_prompt_takes_the_chunked_ssd(triton_
 def test_a_chunked_ssd_that_fails_leaves_the_prompt_to_the_scan_said_once(triton_only, monkeypatch, caplog):
     """Where the chunked SSD does not compile (bf16 products on a GPU before sm_80, say), the scan serves the prompt,
     with the same numbers, and that is said once."""
+
     def refuse(*args, **kwargs):
         raise RuntimeError("no bf16 products on this GPU")
 
@@ -294,8 +313,9 @@ def test_the_chunked_ssd_is_checked_once_per_variant_and_left_out_where_it_is_wr
 
     kernels = ssm_samba.load_kernels()
     real = kernels.ssd_chunked_triton
-    monkeypatch.setattr(ssm_samba, "_KERNELS", kernels._replace(
-        ssd_chunked_triton=lambda *args: tuple(t * 1.5 for t in real(*args))))
+    monkeypatch.setattr(
+        ssm_samba, "_KERNELS", kernels._replace(ssd_chunked_triton=lambda *args: tuple(t * 1.5 for t in real(*args)))
+    )
     monkeypatch.setattr(ssm_samba, "_CHUNKED_SSD_CHECKED", set())
     with caplog.at_level(logging.WARNING), torch.no_grad():
         results = [ssm_samba.ssd_scan(x, dt, A, B, C, D, h0) for _ in range(2)]
@@ -318,8 +338,14 @@ def test_a_float16_mamba2_model_prefills_through_the_chunked_ssd(triton_only, mo
         monkeypatch.setattr(ssm_samba, "SSD_MIN_TOKENS", minimum)
         with torch.no_grad():
             logits = model(ids).logits.float()
-            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
-                                    pad_token_id=0, eos_token_id=None)
+            tokens = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=4,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
         results.append((logits, tokens))
     assert calls and set(calls) == {40}
     (logits, tokens), (scan_logits, scan_tokens) = results
@@ -373,10 +399,10 @@ def test_a_long_training_scan_is_walked_back_in_segments_exactly(triton_only, mo
     monkeypatch.setattr(triton_scan_samba, "PROGRAMS_PER_SM", 64)
     lengths, segments = [], []
     real_length, real_carries = triton_scan_samba._segment_len, triton_scan_samba._backward_carries
-    monkeypatch.setattr(triton_scan_samba, "_segment_len", lambda *a, **k: lengths.append(real_length(*a, **k))
-                        or lengths[-1])
-    monkeypatch.setattr(triton_scan_samba, "_backward_carries", lambda *a: segments.append(a[-2:])
-                        or real_carries(*a))
+    monkeypatch.setattr(
+        triton_scan_samba, "_segment_len", lambda *a, **k: lengths.append(real_length(*a, **k)) or lengths[-1]
+    )
+    monkeypatch.setattr(triton_scan_samba, "_backward_carries", lambda *a: segments.append(a[-2:]) or real_carries(*a))
     if kind == "mamba":
         names, inputs = ("u", "dt", "A", "B", "C", "D", "z", "h0"), scan_inputs(length=50)
         scan, reference_scan = ssm_samba.selective_scan, float64_recurrence
@@ -413,7 +439,9 @@ def test_any_number_of_tokens_a_step_gives_the_float64_scan(triton_only, monkeyp
     monkeypatch.setattr(triton_scan_samba, "PROGRAMS_PER_SM", 64)
     tiles = []
     real = triton_scan_samba._Layout.tile_for
-    monkeypatch.setattr(triton_scan_samba._Layout, "tile_for", lambda self, n: tiles.append(real(self, n)) or tiles[-1])
+    monkeypatch.setattr(
+        triton_scan_samba._Layout, "tile_for", lambda self, n: tiles.append(real(self, n)) or tiles[-1]
+    )
     u, dt, A, B, C, D, z, h0 = scan_inputs(length=37)
     with torch.no_grad():
         y, h = ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)  # segments of 10 tokens (the last 7)
@@ -499,8 +527,10 @@ def test_packed_documents_train_through_samba_hfs_triton_scan(triton_only, monke
     from transformers import DataCollatorWithFlattening
 
     model = tiny_model(seed=6)
-    documents = [torch.randint(3, 97, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-                 for length in (9, 5, 13)]
+    documents = [
+        torch.randint(3, 97, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        for length in (9, 5, 13)
+    ]
     batch = DataCollatorWithFlattening()([{"input_ids": d} for d in documents])
     model.train()
     loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss
@@ -509,8 +539,9 @@ def test_packed_documents_train_through_samba_hfs_triton_scan(triton_only, monke
     pytorch_path(monkeypatch)
     model.zero_grad()
     reference = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss
-    expected = torch.autograd.grad(reference, [model.model.layers[0].mamba.A_log,
-                                               model.model.layers[0].mamba.in_proj.weight])
+    expected = torch.autograd.grad(
+        reference, [model.model.layers[0].mamba.A_log, model.model.layers[0].mamba.in_proj.weight]
+    )
     assert_close(loss, reference, 1e-5)
     for grad, want in zip(grads, expected):
         assert_close(grad, want, 1e-4)
@@ -566,9 +597,8 @@ def test_mamba_ssms_float32_ssd_with_tf32_products_stays_within_test_gpus_tolera
     within the bound test_gpu.py holds it to (output and last state, from a state and from zero), with a margin of 2
     for other inputs; and the emulation must show (the error at least 10x that of full float32)."""
     import numpy as np
-    from triton.runtime import interpreter
-
     from test_gpu import SSD_FLOAT32_TOLERANCE
+    from triton.runtime import interpreter
 
     g = torch.Generator().manual_seed(0)
     b, L, h, p, groups, n = 1, 200, 4, 16, 2, 32  # test_gpu's case, smaller
@@ -583,8 +613,10 @@ def test_mamba_ssms_float32_ssd_with_tf32_products_stays_within_test_gpus_tolera
         for start in (h0, torch.zeros_like(h0)):
             y, last = ssm_samba.ssd_scan(x, dt, A, B, C, D, start, chunk_size=64)
             y_ref, last_ref = float64_ssd(x, dt, A, B, C, D, start)
-            errors += [((got.double() - ref).abs().max() / ref.abs().max()).item()
-                       for got, ref in ((y, y_ref), (last, last_ref))]
+            errors += [
+                ((got.double() - ref).abs().max() / ref.abs().max()).item()
+                for got, ref in ((y, y_ref), (last, last_ref))
+            ]
         return max(errors)
 
     full_float32 = relative_error()
@@ -633,14 +665,17 @@ def test_samba_hfs_triton_conv_equals_a_float64_conv_with_gradients(triton_only,
         x = torch.randn(2, length, d, generator=g)
         window = x.transpose(1, 2) if layout == "transposed" else x.transpose(1, 2).contiguous()
         for seq_len in (length, 13, 1):
-            leaves = [t.to(dtype, copy=True).requires_grad_() for t in (window, weight) + ((bias,) if has_bias else ())]
+            leaves = [
+                t.to(dtype, copy=True).requires_grad_() for t in (window, weight) + ((bias,) if has_bias else ())
+            ]
             out = causal_conv_triton(leaves[0], leaves[1], leaves[2] if has_bias else None, seq_len)
             grad = torch.randn(out.shape, generator=g)
             out.float().backward(grad)
             exact = [t.detach().double().requires_grad_() for t in leaves]
-            full = torch.nn.functional.conv1d(exact[0], exact[1][:, None], exact[2] if has_bias else None,
-                                              padding=taps - 1, groups=d)[..., :length]
-            want = full[..., length - seq_len:]
+            full = torch.nn.functional.conv1d(
+                exact[0], exact[1][:, None], exact[2] if has_bias else None, padding=taps - 1, groups=d
+            )[..., :length]
+            want = full[..., length - seq_len :]
             want.backward(grad.double())
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             assert out.shape == (2, d, seq_len) and out.dtype == dtype
@@ -666,8 +701,13 @@ def test_every_kernel_variant_compiles_for_a_cuda_gpu():
     (the first H200 run found every variant refused by Triton 3.6's compiler). In its own process, without
     TRITON_INTERPRET (tests/triton_compile_check.py)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_compile_check.py"))], env=env,
-                            capture_output=True, text=True, timeout=1500)
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("triton_compile_check.py"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     failing = [line for line in result.stdout.splitlines() if ": ok (" not in line]
     assert result.returncode == 0 and failing == ["failures 0"], (failing[:5], result.stderr[-2000:])
     assert result.stdout.count(": ok (") >= 100
@@ -675,13 +715,20 @@ def test_every_kernel_variant_compiles_for_a_cuda_gpu():
 
 # ---- whole models ---------------------------------------------------------------------------------------------------
 
+
 def run_everything(model, ids, prefix):
     """Logits of one forward; the gradients of a training step; greedy tokens from a cached prompt (one-token steps);
     the logits of a multi-token continuation from the cache, and of a prompt cut into 4-token inference chunks."""
     with torch.no_grad():
         logits = model(ids).logits
-        tokens = model.generate(ids[:, :prefix], attention_mask=torch.ones_like(ids[:, :prefix]), max_new_tokens=5,
-                                do_sample=False, pad_token_id=0, eos_token_id=None)
+        tokens = model.generate(
+            ids[:, :prefix],
+            attention_mask=torch.ones_like(ids[:, :prefix]),
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
         cache = returned_cache(model(ids[:, :prefix], use_cache=True))
         continued = model(ids[:, prefix:], cache=cache, use_cache=True).logits
         model.config.inference_chunk_size = 4
@@ -695,13 +742,23 @@ def run_everything(model, ids, prefix):
     return logits, grads, tokens, continued, chunked
 
 
-@pytest.mark.parametrize("kind, installed, expected", [
-    ("samba", "packages", {"selective_scan_fn", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update"}),
-    ("samba", "triton only", {"selective_scan_triton", "causal_conv_triton"}),
-    ("mamba2", "packages", {"mamba_chunk_scan_combined", "selective_state_update", "causal_conv1d_fn",
-                            "causal_conv1d_update"}),
-    ("mamba2", "triton only", {"ssd_scan_triton", "causal_conv_triton"}),
-])
+@pytest.mark.parametrize(
+    "kind, installed, expected",
+    [
+        (
+            "samba",
+            "packages",
+            {"selective_scan_fn", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update"},
+        ),
+        ("samba", "triton only", {"selective_scan_triton", "causal_conv_triton"}),
+        (
+            "mamba2",
+            "packages",
+            {"mamba_chunk_scan_combined", "selective_state_update", "causal_conv1d_fn", "causal_conv1d_update"},
+        ),
+        ("mamba2", "triton only", {"ssd_scan_triton", "causal_conv_triton"}),
+    ],
+)
 def test_a_model_runs_every_kernel_and_equals_the_pytorch_path(monkeypatch, kind, installed, expected):
     calls = only(monkeypatch, PACKAGES if installed == "packages" else TRITON_ONLY)
     model = tiny_model(seed=3) if kind == "samba" else tiny_mamba2("megatron", seed=5)
@@ -770,7 +827,9 @@ def test_adapters_on_the_mamba_projections_reach_the_kernel_path(kernels, monkey
         decoded = decode_logits(model, IDS)
         with model.disable_adapter():
             base = model(input_ids=IDS).logits
-    assert kernels["selective_scan_fn"] > 0 and kernels["selective_state_update"] > 0 and kernels["causal_conv1d_fn"] > 0
+    assert (
+        kernels["selective_scan_fn"] > 0 and kernels["selective_state_update"] > 0 and kernels["causal_conv1d_fn"] > 0
+    )
     pytorch_path(monkeypatch)
     with torch.no_grad():
         pytorch = model(input_ids=IDS).logits
@@ -791,8 +850,13 @@ def test_an_adapter_wrapped_conv_runs_as_its_module(kernels):
         for layer in model.model.layers:
             if layer.layer_type == "linear_attention":
                 plain = layer.mamba.conv1d
-                wrapped = WrappedConv(plain.in_channels, plain.out_channels, plain.kernel_size[0],
-                                      groups=plain.groups, padding=plain.padding[0])
+                wrapped = WrappedConv(
+                    plain.in_channels,
+                    plain.out_channels,
+                    plain.kernel_size[0],
+                    groups=plain.groups,
+                    padding=plain.padding[0],
+                )
                 wrapped.load_state_dict(plain.state_dict())
                 layer.mamba.conv1d = wrapped
         conv_calls = kernels["causal_conv1d_fn"]
@@ -802,6 +866,7 @@ def test_an_adapter_wrapped_conv_runs_as_its_module(kernels):
 
 
 # ---- loading, and what happens without a kernel ---------------------------------------------------------------------
+
 
 def test_the_triton_ops_load_without_mamba_ssms_init_or_its_cuda_extension():
     """An install without the compiled scan (MAMBA_SKIP_CUDA_BUILD=TRUE, as here) still gives the Triton kernels;
@@ -858,8 +923,11 @@ def test_a_triton_scan_that_fails_its_check_is_left_out(monkeypatch, caplog):
 
 def test_without_any_kernel_the_fallback_is_said_once(monkeypatch, caplog):
     """No Triton scan either (no triton): one warning that names what runs and what to install, then PyTorch."""
-    monkeypatch.setattr(ssm_samba, "_KERNELS", ssm_samba.Kernels(
-        *[None] * len(KERNEL_NAMES), missing={"selective_scan_triton": "ImportError: no triton"}))
+    monkeypatch.setattr(
+        ssm_samba,
+        "_KERNELS",
+        ssm_samba.Kernels(*[None] * len(KERNEL_NAMES), missing={"selective_scan_triton": "ImportError: no triton"}),
+    )
     logging.Logger.warning_once.cache_clear()
     u, dt, A, B, C, D, z, h0 = scan_inputs()
     with caplog.at_level(logging.WARNING):
@@ -896,5 +964,7 @@ def test_a_verified_draft_is_taken_back_on_every_kernel_path(monkeypatch, kind, 
             assert_close(got, reference, 1e-4)
         prompt = torch.cat([ids[:, :8]] * 2, 1)
         plain = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)
-        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None,
-                                          prompt_lookup_num_tokens=3), plain)
+        assert torch.equal(
+            model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, prompt_lookup_num_tokens=3),
+            plain,
+        )

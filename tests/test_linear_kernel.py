@@ -7,16 +7,16 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch import nn
 
 from samba_hf import cpu_kernels_samba, linear_samba
 from samba_hf.cpu_kernels_samba import MAX_TOKENS
 from samba_hf.linear_samba import SambaLinear
 
-from conftest import tiny_model
-
-requires_kernel = pytest.mark.skipif(not cpu_kernels_samba.gemv_available(),
-                                     reason="no AVX-512 or no C compiler: nn.Linear runs everywhere")
+requires_kernel = pytest.mark.skipif(
+    not cpu_kernels_samba.gemv_available(), reason="no AVX-512 or no C compiler: nn.Linear runs everywhere"
+)
 
 
 def reference(layer: SambaLinear, x: torch.Tensor) -> torch.Tensor:
@@ -96,8 +96,15 @@ def test_a_decoding_step_through_the_kernel_equals_nn_linear(monkeypatch):
     """The whole model: cached decoding with the kernel against the same steps through nn.Linear."""
     model = tiny_model(seed=3)
     ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0))
-    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0,
-                   eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+    options = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         kernel = model.generate(ids, **options)
         monkeypatch.setattr(cpu_kernels_samba, "_CPU_GEMV", False)
@@ -109,6 +116,11 @@ def test_a_decoding_step_through_the_kernel_equals_nn_linear(monkeypatch):
 
 def test_the_environment_variable_turns_the_kernel_off():
     code = "from samba_hf import cpu_kernels_samba; print(cpu_kernels_samba._gemv_library() is None)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "SAMBA_HF_GEMV": "pytorch"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SAMBA_HF_GEMV": "pytorch"},
+    )
     assert result.returncode == 0 and result.stdout.split() == ["True"], result.stderr

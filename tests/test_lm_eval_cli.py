@@ -24,11 +24,17 @@ MC_TASK, PPL_TASK = "samba_hf_tiny_choice", "samba_hf_tiny_perplexity"
 # Two choices per question; `label` is the index of the "right" one. Half the labels point at the nonsense choice so
 # that acc lands strictly between 0 and 1 and a wrong comparison of the choices would change it.
 MC_DOCS = [
-    {"question": "The assert statement", "choices": ["checks that a condition is true", "purple elephant sings"],
-     "label": 0},
+    {
+        "question": "The assert statement",
+        "choices": ["checks that a condition is true", "purple elephant sings"],
+        "label": 0,
+    },
     {"question": "A for loop", "choices": ["banana telescope", "iterates over the items of a sequence"], "label": 1},
-    {"question": "The while statement", "choices": ["repeats while a condition is true", "yellow submarine"],
-     "label": 1},
+    {
+        "question": "The while statement",
+        "choices": ["repeats while a condition is true", "yellow submarine"],
+        "label": 1,
+    },
     {"question": "An if statement", "choices": ["zebra violin cloud", "runs code when a condition holds"], "label": 0},
 ]
 PPL_DOCS = [
@@ -120,28 +126,54 @@ def run(tmp_path_factory):
     tasks.mkdir()
     (tasks / f"{MC_TASK}.yaml").write_text(MC_YAML.format(task=MC_TASK, data=write_jsonl(tmp / "mc.jsonl", MC_DOCS)))
     (tasks / f"{PPL_TASK}.yaml").write_text(
-        PPL_YAML.format(task=PPL_TASK, data=write_jsonl(tmp / "ppl.jsonl", PPL_DOCS)))
+        PPL_YAML.format(task=PPL_TASK, data=write_jsonl(tmp / "ppl.jsonl", PPL_DOCS))
+    )
     guard, report = tmp / "guard", tmp / "modules.json"
     guard.mkdir()
     (guard / "sitecustomize.py").write_text(f"REPORT = {str(report)!r}\n" + HIDE_SAMBA_HF)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HOME": str(tmp / "hf_home"),  # datasets cache and transformers_modules: nothing outside tmp
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(guard), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(tmp / "hf_home"),  # datasets cache and transformers_modules: nothing outside tmp
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(guard), os.environ.get("PYTHONPATH")])),
+    }
     command = lm_eval_command() + [
-        "--model", "hf", "--model_args", f"pretrained={folder},trust_remote_code=True,dtype=float32",
-        "--device", "cpu", "--batch_size", "1", "--tasks", f"{MC_TASK},{PPL_TASK}",
-        "--include_path", str(tasks), "--output_path", str(tmp / "out"), "--log_samples"]
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={folder},trust_remote_code=True,dtype=float32",
+        "--device",
+        "cpu",
+        "--batch_size",
+        "1",
+        "--tasks",
+        f"{MC_TASK},{PPL_TASK}",
+        "--include_path",
+        str(tasks),
+        "--output_path",
+        str(tmp / "out"),
+        "--log_samples",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     (results_file,) = (tmp / "out").rglob("results_*.json")
     samples = {}
     for task in (MC_TASK, PPL_TASK):
         (samples_file,) = (tmp / "out").rglob(f"samples_{task}_*.jsonl")
-        samples[task] = sorted((json.loads(line) for line in samples_file.read_text().splitlines()),
-                               key=lambda sample: sample["doc_id"])
-    return {"folder": folder, "results": json.loads(results_file.read_text())["results"], "samples": samples,
-            "modules": json.loads(report.read_text()), "stdout": result.stdout}
+        samples[task] = sorted(
+            (json.loads(line) for line in samples_file.read_text().splitlines()), key=lambda sample: sample["doc_id"]
+        )
+    return {
+        "folder": folder,
+        "results": json.loads(results_file.read_text())["results"],
+        "samples": samples,
+        "modules": json.loads(report.read_text()),
+        "stdout": result.stdout,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +190,7 @@ def continuation_log_likelihood(model, context: list, continuation: list) -> flo
     ids = torch.tensor([context + continuation])
     log_probs = model(ids[:, :-1]).logits.float().log_softmax(-1)[0]
     per_token = log_probs.gather(-1, ids[0, 1:, None])[:, 0]
-    return per_token[-len(continuation):].sum().item()
+    return per_token[-len(continuation) :].sum().item()
 
 
 def finite(value) -> float:
@@ -187,8 +219,8 @@ def test_lm_eval_cli_multiple_choice_matches_transformers(run, reference):
         for choice in doc["choices"]:  # the harness's split: encode context + " " + choice, cut at the context
             context = encode(doc["question"])
             whole = encode(doc["question"] + " " + choice)
-            assert whole[:len(context)] == context
-            expected.append(continuation_log_likelihood(model, context, whole[len(context):]))
+            assert whole[: len(context)] == context
+            expected.append(continuation_log_likelihood(model, context, whole[len(context) :]))
         assert got == pytest.approx(expected, rel=1e-4, abs=1e-3), doc
         correct.append(float(max(range(len(expected)), key=expected.__getitem__) == doc["label"]))
         assert sample["acc"] == correct[-1]
@@ -212,8 +244,10 @@ def test_lm_eval_cli_perplexity_matches_transformers(run, reference):
     n_bytes = sum(len(doc["text"].encode()) for doc in PPL_DOCS)
     results = run["results"][PPL_TASK]
     assert finite(results["word_perplexity,none"]) == pytest.approx(math.exp(-sum(log_likelihoods) / words), rel=1e-3)
-    assert finite(results["byte_perplexity,none"]) == pytest.approx(math.exp(-sum(log_likelihoods) / n_bytes),
-                                                                      rel=1e-3)
-    assert finite(results["bits_per_byte,none"]) == pytest.approx(-sum(log_likelihoods) / n_bytes / math.log(2),
-                                                                    rel=1e-4)
+    assert finite(results["byte_perplexity,none"]) == pytest.approx(
+        math.exp(-sum(log_likelihoods) / n_bytes), rel=1e-3
+    )
+    assert finite(results["bits_per_byte,none"]) == pytest.approx(
+        -sum(log_likelihoods) / n_bytes / math.log(2), rel=1e-4
+    )
     assert 1 < results["byte_perplexity,none"] < 256  # a trained model: better than uniform over bytes

@@ -24,8 +24,11 @@ def tokenizer():
 
 def record(model, seen):
     """Hooks that keep softplus(dt_proj(...)) of every Mamba layer, as the mixer computes it."""
-    return [m.dt_proj.register_forward_hook(lambda mod, args, out: seen.append(torch.nn.functional.softplus(out)))
-            for m in model.modules() if hasattr(m, "dt_proj")]
+    return [
+        m.dt_proj.register_forward_hook(lambda mod, args, out: seen.append(torch.nn.functional.softplus(out)))
+        for m in model.modules()
+        if hasattr(m, "dt_proj")
+    ]
 
 
 def test_time_stretch_multiplies_the_fillers_step_sizes_while_training_only():
@@ -75,8 +78,9 @@ def test_time_stretch_of_the_earlier_stages(tokens):
 def test_time_stretch_needs_mamba_layers():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2))
+    llama = LlamaForCausalLM(
+        LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
     with pytest.raises(ValueError, match="needs a model with Mamba layers"):
         long_context.TimeStretch(llama, 8.0)
 
@@ -87,7 +91,7 @@ def test_fine_tuning_prompts_keep_the_key_beyond_reach(tokenizer):
         sample = samples[i]
         ids, labels = sample["input_ids"], sample["labels"]
         answer = [t for t in labels if t != -100]
-        assert 400 - 30 <= len(ids) <= 512 and ids[-len(answer):] == answer  # whole filler sentences: up to one fewer
+        assert 400 - 30 <= len(ids) <= 512 and ids[-len(answer) :] == answer  # whole filler sentences: up to one fewer
         key = tokenizer.decode(answer).strip(" .")
         assert len(key) == 5 and key.isdigit()
         prompt = tokenizer.decode(ids[: -len(answer)])
@@ -99,8 +103,9 @@ def test_fine_tuning_prompts_keep_the_key_beyond_reach(tokenizer):
         filler = tokenizer.decode([t for t, f in zip(ids, sample["filler"]) if f])
         rest = tokenizer.decode([t for t, f in zip(ids, sample["filler"]) if not f])
         assert set(filler.replace(PASSKEY_FILLER, "|")) == {"|"}
-        assert rest == (PASSKEY_INSTRUCTION + PASSKEY_NEEDLE.format(key=key)
-                        + PASSKEY_QUESTION + tokenizer.decode(answer))
+        assert rest == (
+            PASSKEY_INSTRUCTION + PASSKEY_NEEDLE.format(key=key) + PASSKEY_QUESTION + tokenizer.decode(answer)
+        )
     with pytest.raises(ValueError, match="raise --passkey-min-length or lower --min-key-distance"):
         long_context.PasskeySamples(tokenizer, 1, 300, 200, min_key_distance=400)[0]
 
@@ -115,8 +120,9 @@ def test_independent_prompts_have_the_papers_parts_and_fit(tokenizer, depth):
     assert text.endswith(" What is the pass key? The pass key is")
     assert text.count("40213") == 2 and "grass" not in text
     before = text.index("The pass key is 40213")
-    filler = text[text.index("there.") + 6: text.rindex(" What is")].replace(
-        " The pass key is 40213. Remember it. 40213 is the pass key.", "|")
+    filler = text[text.index("there.") + 6 : text.rindex(" What is")].replace(
+        " The pass key is 40213. Remember it. 40213 is the pass key.", "|"
+    )
     share = filler.index("|") / max(1, len(filler) - 1)
     assert abs(share - depth) < 0.05 and before > 0
 
@@ -131,8 +137,16 @@ def test_a_time_limited_run_is_rerun_exactly_by_its_stop_at_command(tmp_path, mo
     runs = []
     for stop in (long_context.EarlyStop(minutes=1e-9), long_context.EarlyStop(at_step=1), long_context.EarlyStop()):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=2, num_key_value_heads=1))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=100,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+            )
+        )
         long_context.run_trainer(model, rows, steps=8, lr=1e-2, batch_size=4, stop=stop)
         runs.append((long_context.run_trainer.steps_reached, [p.detach().clone() for p in model.parameters()]))
     (timed, timed_weights), (rerun, rerun_weights), (full, full_weights) = runs
@@ -142,20 +156,27 @@ def test_a_time_limited_run_is_rerun_exactly_by_its_stop_at_command(tmp_path, mo
     assert any(not torch.equal(a, b) for a, b in zip(timed_weights, full_weights))
     command = "python examples/long_context.py finetune llama --passkey-steps 8 --time-limit 6.8 --suffix=-h1"
     assert long_context.rerun_command(command, 1) == (
-        "python examples/long_context.py finetune llama --passkey-steps 8 --stop-at 1 --suffix=-h1")
+        "python examples/long_context.py finetune llama --passkey-steps 8 --stop-at 1 --suffix=-h1"
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["ship", "--suffix=-nope", "--out", "OUT"], "samba-passkey-nope is not a model folder of this experiment"),
-    (["retention", "--model", "MISSING"], "MISSING is not a model folder of this experiment"),
-    (["finetune", "samba", "--start-from", "MISSING"], "MISSING is not a model folder of this experiment"),
-    (["finetune", "samba", "--stretch-dt", "0.5"], "--stretch-dt must be at least 1"),
-    (["finetune", "llama", "--stretch-dt", "8"], "--stretch-dt stretches Mamba layers: llama has none"),
-    (["finetune", "llama", "--passkey-max-length", "4096"], "--passkey-max-length <= 512 (the training length)"),
-    (["finetune", "llama", "--passkey-min-length", "300", "--passkey-max-length", "200"], "got 300 and 200"),
-    (["finetune", "mistral", "--time-limit", "-1"], "--time-limit is in minutes and must be positive"),
-    (["finetune", "llama", "--passkey-steps", "10", "--stop-at", "11"], "--stop-at must be a step of the schedule"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["ship", "--suffix=-nope", "--out", "OUT"], "samba-passkey-nope is not a model folder of this experiment"),
+        (["retention", "--model", "MISSING"], "MISSING is not a model folder of this experiment"),
+        (["finetune", "samba", "--start-from", "MISSING"], "MISSING is not a model folder of this experiment"),
+        (["finetune", "samba", "--stretch-dt", "0.5"], "--stretch-dt must be at least 1"),
+        (["finetune", "llama", "--stretch-dt", "8"], "--stretch-dt stretches Mamba layers: llama has none"),
+        (["finetune", "llama", "--passkey-max-length", "4096"], "--passkey-max-length <= 512 (the training length)"),
+        (["finetune", "llama", "--passkey-min-length", "300", "--passkey-max-length", "200"], "got 300 and 200"),
+        (["finetune", "mistral", "--time-limit", "-1"], "--time-limit is in minutes and must be positive"),
+        (
+            ["finetune", "llama", "--passkey-steps", "10", "--stop-at", "11"],
+            "--stop-at must be a step of the schedule",
+        ),
+    ],
+)
 def test_wrong_inputs_end_in_one_error_and_write_nothing(tmp_path, monkeypatch, capsys, argv, message):
     monkeypatch.chdir(tmp_path)
     argv = [str(tmp_path / a) if a in ("OUT", "MISSING") else a for a in argv]

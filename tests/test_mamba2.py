@@ -8,6 +8,14 @@ GELU MLP); "samba2" is a Samba whose Mamba layers are Mamba-2 (window 8, SwiGLU 
 
 import pytest
 import torch
+from conftest import cache_kwarg, held_bytes, randomize_norms, returned_cache, tiny_config
+from megatron_reference import megatron_logits, nemotron_h_logits, random_megatron_state, tiny_geometry
+from test_generation import (
+    assert_left_padded_rows_equal_their_own_runs,
+    compiled_generate_equals_eager,
+    gen,
+    no_cache_greedy,
+)
 from transformers import DataCollatorWithFlattening, DynamicCache
 from transformers.cache_utils import DummyLayer, LinearAttentionLayer
 
@@ -15,15 +23,19 @@ from samba_hf import SambaConfig, SambaForCausalLM, ssm_samba
 from samba_hf.conversion import megatron
 from samba_hf.training import LORA_TARGET_MODULES, lora_config
 
-from conftest import cache_kwarg, held_bytes, randomize_norms, returned_cache, tiny_config
-from megatron_reference import megatron_logits, nemotron_h_logits, random_megatron_state, tiny_geometry
-from test_generation import assert_left_padded_rows_equal_their_own_runs, compiled_generate_equals_eager, gen, no_cache_greedy
-
 TOL = 1e-4
 MAMBA2 = dict(mamba_version=2, mamba_d_state=8, mamba2_head_dim=8, mamba2_n_groups=2, mamba2_chunk_size=8)
 LAYOUTS = {
-    "megatron": dict(MAMBA2, hybrid_override_pattern="M-M*-M", use_rope=False, sliding_window=None, mlp_gated=False,
-                     mlp_hidden_act="gelu", tie_word_embeddings=False, intermediate_size=64),
+    "megatron": dict(
+        MAMBA2,
+        hybrid_override_pattern="M-M*-M",
+        use_rope=False,
+        sliding_window=None,
+        mlp_gated=False,
+        mlp_hidden_act="gelu",
+        tie_word_embeddings=False,
+        intermediate_size=64,
+    ),
     "samba2": dict(MAMBA2),
 }
 
@@ -131,8 +143,14 @@ def test_presets_build_the_released_parameter_counts():
 
 def test_config_reads_a_megatron_pattern_and_says_what_is_wrong():
     config = tiny_config(**LAYOUTS["megatron"])
-    assert config.layer_types == ["linear_attention", "mlp", "linear_attention", "full_attention", "mlp",
-                                  "linear_attention"]
+    assert config.layer_types == [
+        "linear_attention",
+        "mlp",
+        "linear_attention",
+        "full_attention",
+        "mlp",
+        "linear_attention",
+    ]
     assert config.num_hidden_layers == 6 and not config.mixer_mlp
     assert "hybrid_override_pattern" not in config.to_dict()  # an input only: layer_types is what is stored
     with pytest.raises(ValueError, match="hybrid_override_pattern"):
@@ -141,7 +159,7 @@ def test_config_reads_a_megatron_pattern_and_says_what_is_wrong():
         tiny_config(**{**MAMBA2, "mamba2_n_groups": 3})
     with pytest.raises(ValueError, match="multiple of `mamba2_head_dim`"):
         tiny_config(**{**MAMBA2, "mamba2_head_dim": 7})
-    with pytest.raises(ValueError, match="\"mlp\" layers but `intermediate_size` is 0"):
+    with pytest.raises(ValueError, match='"mlp" layers but `intermediate_size` is 0'):
         tiny_config(hybrid_override_pattern="M-", intermediate_size=0)
     with pytest.raises(ValueError, match="`mamba_version` must be 1"):
         tiny_config(mamba_version=3)
@@ -159,11 +177,18 @@ def in_memory_checkpoint(tensors: dict, args: dict) -> megatron.MegatronCheckpoi
 
 def megatron_model(state, pattern, geometry):
     """A samba-hf model holding a Megatron state dict, through the converter's own mapping."""
-    checkpoint = in_memory_checkpoint(state, {
-        "num_attention_heads": geometry["num_attention_heads"], "group_query_attention": True,
-        "num_query_groups": geometry["num_query_groups"], "kv_channels": geometry["kv_channels"],
-        "mamba_num_groups": geometry["mamba_num_groups"], "mamba_state_dim": geometry["mamba_state_dim"],
-        "hybrid_override_pattern": pattern})
+    checkpoint = in_memory_checkpoint(
+        state,
+        {
+            "num_attention_heads": geometry["num_attention_heads"],
+            "group_query_attention": True,
+            "num_query_groups": geometry["num_query_groups"],
+            "kv_channels": geometry["kv_channels"],
+            "mamba_num_groups": geometry["mamba_num_groups"],
+            "mamba_state_dim": geometry["mamba_state_dim"],
+            "hybrid_override_pattern": pattern,
+        },
+    )
     config, tensors = megatron.plan(checkpoint)
     config.mamba2_chunk_size = geometry["mamba_chunk_size"]
     model = SambaForCausalLM(config).eval()
@@ -216,8 +241,9 @@ def test_greedy_and_sampling_equal_recomputation(model, prompt):
 
 
 def test_static_cache_equals_recomputation(model, prompt):
-    assert torch.equal(gen(model, prompt, do_sample=False, cache_implementation="static"),
-                       no_cache_greedy(model, prompt, 30))
+    assert torch.equal(
+        gen(model, prompt, do_sample=False, cache_implementation="static"), no_cache_greedy(model, prompt, 30)
+    )
 
 
 def test_compiled_decode_step_equals_eager(model):
@@ -226,8 +252,15 @@ def test_compiled_decode_step_equals_eager(model):
 
 def test_beam_search_reorders_the_mamba2_states(model, prompt):
     cached = gen(model, prompt, num_beams=3, num_return_sequences=2, output_scores=True, return_dict_in_generate=True)
-    uncached = gen(model, prompt, num_beams=3, num_return_sequences=2, output_scores=True,
-                   return_dict_in_generate=True, use_cache=False)
+    uncached = gen(
+        model,
+        prompt,
+        num_beams=3,
+        num_return_sequences=2,
+        output_scores=True,
+        return_dict_in_generate=True,
+        use_cache=False,
+    )
     assert torch.equal(cached.sequences, uncached.sequences)
     assert torch.allclose(cached.sequences_scores, uncached.sequences_scores, atol=1e-4)
 
@@ -245,9 +278,15 @@ def test_chunked_prefill_equals_unchunked(model, chunk):
 
 def test_continue_from_the_cache_of_an_earlier_generate(model, prompt):
     first = gen(model, prompt, do_sample=False, max_new_tokens=12, return_dict_in_generate=True)
-    second = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences),
-                            **cache_kwarg(returned_cache(first)), max_new_tokens=15, do_sample=False, pad_token_id=0,
-                            eos_token_id=None)
+    second = model.generate(
+        first.sequences,
+        attention_mask=torch.ones_like(first.sequences),
+        **cache_kwarg(returned_cache(first)),
+        max_new_tokens=15,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     assert torch.equal(second, no_cache_greedy(model, prompt, 27))
 
 
@@ -300,19 +339,25 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model(ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert all(grads[0][n] is not None and (grads[0][n] - grads[1][n]).abs().max() <= 1e-6 for n in grads[0])
-    assert grads[0]["model.layers.0.mamba.A_log"].abs().sum() > 0 and grads[0]["model.layers.0.mamba.dt_bias"].abs().sum() > 0
+    assert (
+        grads[0]["model.layers.0.mamba.A_log"].abs().sum() > 0
+        and grads[0]["model.layers.0.mamba.dt_bias"].abs().sum() > 0
+    )
 
 
 def test_trainer_lowers_the_loss_on_padded_batches(tmp_path):
-    from transformers import DataCollatorForLanguageModeling, Trainer
-
     from test_trainer import arguments, examples, tokenizer
+    from transformers import DataCollatorForLanguageModeling, Trainer
 
     model = tiny_mamba2("megatron", seed=8).train()
     data = examples(16) * 4  # the same 16 sequences, seen several times: the loss must fall
     collator = DataCollatorForLanguageModeling(tokenizer(), mlm=False)
-    trainer = Trainer(model=model, args=arguments(tmp_path, max_steps=12, learning_rate=3e-3), train_dataset=data,
-                      data_collator=collator)
+    trainer = Trainer(
+        model=model,
+        args=arguments(tmp_path, max_steps=12, learning_rate=3e-3),
+        train_dataset=data,
+        data_collator=collator,
+    )
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert losses[-1] < 0.8 * losses[0], losses
@@ -324,14 +369,16 @@ def test_lora_on_each_projection_changes_prefill_and_cached_decoding(target):
 
     assert target in LORA_TARGET_MODULES
     torch.manual_seed(0)
-    model = get_peft_model(tiny_mamba2("megatron"), lora_config(r=4, lora_alpha=32, target_modules=[target],
-                                                                init_lora_weights=False)).eval()
+    model = get_peft_model(
+        tiny_mamba2("megatron"), lora_config(r=4, lora_alpha=32, target_modules=[target], init_lora_weights=False)
+    ).eval()
     ids = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(input_ids=ids).logits
         out = model(input_ids=ids[:, :-3], use_cache=True)
-        steps = [model(input_ids=ids[:, t : t + 1], cache=returned_cache(out), use_cache=True).logits
-                 for t in range(11, 14)]
+        steps = [
+            model(input_ids=ids[:, t : t + 1], cache=returned_cache(out), use_cache=True).logits for t in range(11, 14)
+        ]
         with model.disable_adapter():
             base = model(input_ids=ids).logits
     assert (full - base).abs().max() > 1e-3

@@ -14,7 +14,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from megatron_reference import (
     megatron_args,
     megatron_logits,
@@ -46,11 +45,16 @@ def with_small_steps(state, shift=4.6):
 
 def safe_load(path):
     """Load a synthetic release file without Megatron: weights_only with stubbed non-tensor globals (§1.6 route a)."""
-    StubModelType = enum.Enum("ModelType", {"encoder_or_decoder": 1, "encoder_and_decoder": 2,
-                                            "retro_encoder": 3, "retro_decoder": 4})
+    StubModelType = enum.Enum(
+        "ModelType", {"encoder_or_decoder": 1, "encoder_and_decoder": 2, "retro_encoder": 3, "retro_decoder": 4}
+    )
     reconstruct = getattr(np, "_core", np.core).multiarray._reconstruct
     allowed = [
-        argparse.Namespace, io.BytesIO, np.ndarray, np.dtype, type(np.dtype("uint32")),
+        argparse.Namespace,
+        io.BytesIO,
+        np.ndarray,
+        np.dtype,
+        type(np.dtype("uint32")),
         (reconstruct, reconstruct.__module__ + "._reconstruct"),
         (StubModelType, "megatron.core.enums.ModelType"),
     ]
@@ -61,6 +65,7 @@ def safe_load(path):
 # ----------------------------------------------------------------------------------------------------------------
 # 1-2. Agreement with NemotronH, and controls
 # ----------------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("pattern", ["M-M*-M", "M*-M-", "MMM"])
 def test_reference_matches_nemotron_h(pattern):
@@ -140,9 +145,21 @@ def test_state_layout_and_8b_counts():
     state = random_megatron_state("M*-", geometry, seed=0, dtype=torch.bfloat16)
     assert {k: tuple(v.shape) for k, v in state.items()} == dict(released_shapes("M*-", geometry))
     assert all(v.dtype == torch.bfloat16 for v in state.values())
-    g8b = dict(vocab_size=256000, hidden_size=4096, num_attention_heads=32, num_query_groups=8, kv_channels=128,
-               ffn_hidden_size=16384, mamba_num_heads=128, mamba_head_dim=64, mamba_num_groups=8,
-               mamba_state_dim=128, mamba_d_conv=4, norm_epsilon=1e-5, mamba_chunk_size=128)
+    g8b = dict(
+        vocab_size=256000,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        kv_channels=128,
+        ffn_hidden_size=16384,
+        mamba_num_heads=128,
+        mamba_head_dim=64,
+        mamba_num_groups=8,
+        mamba_state_dim=128,
+        mamba_d_conv=4,
+        norm_epsilon=1e-5,
+        mamba_chunk_size=128,
+    )
     hybrid = released_shapes(HYBRID_8B, g8b)
     pure = released_shapes("M" * 56, g8b)
     assert (len(hybrid), sum(math.prod(s) for s in hybrid.values())) == (315, 8_654_517_248)
@@ -154,6 +171,7 @@ def test_state_layout_and_8b_counts():
 # ----------------------------------------------------------------------------------------------------------------
 # 3. Checkpoint files
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def test_megatron_args():
     args = megatron_args("M-M*-M", tiny_geometry(), mamba_num_groups=2)
@@ -186,9 +204,9 @@ def test_checkpoint_globals_and_no_megatron(tmp_path):
     assert loaded["args"].model_type.value == 1 and loaded["args"].params_dtype is torch.bfloat16
     model = loaded["model"]
     extra = {k for k in model if k.endswith("_extra_state")}
-    assert extra == {f"decoder.layers.1.self_attention.{m}._extra_state"
-                     for m in ("linear_qkv", "linear_proj", "core_attention")} | {
-        "decoder.layers.2.mlp.linear_fc1._extra_state", "decoder.layers.2.mlp.linear_fc2._extra_state"}
+    assert extra == {
+        f"decoder.layers.1.self_attention.{m}._extra_state" for m in ("linear_qkv", "linear_proj", "core_attention")
+    } | {"decoder.layers.2.mlp.linear_fc1._extra_state", "decoder.layers.2.mlp.linear_fc2._extra_state"}
     assert all(isinstance(model[k], io.BytesIO) for k in extra)
     for key, value in state.items():
         assert model[key].dtype == torch.bfloat16 and torch.equal(model[key], value)
@@ -208,18 +226,21 @@ def test_checkpoint_without_extra_state(tmp_path):
 # 4. Fused-norm layout
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def test_fused_layout_same_logits(tmp_path):
     pattern, geometry = "M*-M", tiny_geometry()
     state = random_megatron_state(pattern, geometry, seed=4)
-    path = save_megatron_checkpoint(tmp_path / "ckpt", state, megatron_args(pattern, geometry), fused_norms=True,
-                                    iteration=1000)
+    path = save_megatron_checkpoint(
+        tmp_path / "ckpt", state, megatron_args(pattern, geometry), fused_norms=True, iteration=1000
+    )
     assert path == tmp_path / "ckpt" / "iter_0001000" / "mp_rank_00" / "model_optim_rng.pt"
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1000"
     fused = safe_load(path)["model"]
     for i in (0, 3):
         assert f"decoder.layers.{i}.norm.weight" not in fused
-        assert torch.equal(fused[f"decoder.layers.{i}.mixer.in_proj.layer_norm_weight"],
-                           state[f"decoder.layers.{i}.norm.weight"])
+        assert torch.equal(
+            fused[f"decoder.layers.{i}.mixer.in_proj.layer_norm_weight"], state[f"decoder.layers.{i}.norm.weight"]
+        )
         assert isinstance(fused[f"decoder.layers.{i}.mixer.in_proj._extra_state"], io.BytesIO)
         assert isinstance(fused[f"decoder.layers.{i}.mixer.out_proj._extra_state"], io.BytesIO)
     ids = token_ids(geometry, seq=20)

@@ -7,19 +7,16 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
-import time
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from samba_hf.conversion import ConversionError, convert, export_lit_gpt, lit_gpt, writer
-from samba_hf_cli import main
-
 from conftest import tiny_model
+from safetensors.torch import load_file, save_file
 from test_conversion_official import official_config, official_state_dict, save_fla, save_official, true_model
 from test_conversion_transformers import save_mamba
+
+from samba_hf.conversion import ConversionError, convert, lit_gpt, writer
+from samba_hf_cli import main
 
 
 def one_line_error(capsys, argv, *fragments):
@@ -48,8 +45,12 @@ def test_force_refuses_an_out_that_holds_the_lit_gpt_source(tmp_path, capsys):
     out.mkdir()
     src = save_official(out, true_model(["mamba", "attn"], seed=1))
     before = listing(out)
-    one_line_error(capsys, ["convert", "lit-gpt", str(src), str(out), "--force", "--config", "Samba_421M"],
-                   "lies inside the output folder", "would delete it")
+    one_line_error(
+        capsys,
+        ["convert", "lit-gpt", str(src), str(out), "--force", "--config", "Samba_421M"],
+        "lies inside the output folder",
+        "would delete it",
+    )
     assert listing(out) == before and not leftovers(tmp_path)
 
 
@@ -57,8 +58,11 @@ def test_force_refuses_converting_a_folder_into_itself(tmp_path, capsys):
     save_mamba(tmp_path / "D", layers=1)
     before = listing(tmp_path / "D")
     for out in (tmp_path / "D", tmp_path / "D" / ".." / "D"):
-        one_line_error(capsys, ["convert", "mamba", str(tmp_path / "D"), str(out), "--force", "--no-verify"],
-                       "lies inside the output folder")
+        one_line_error(
+            capsys,
+            ["convert", "mamba", str(tmp_path / "D"), str(out), "--force", "--no-verify"],
+            "lies inside the output folder",
+        )
     assert listing(tmp_path / "D") == before
 
 
@@ -99,17 +103,26 @@ def samba_folder(tmp_path, name="samba", **overrides):
 
 def exportable_folder(tmp_path):
     """A samba-hf folder the official code can express (Mamba d_state 16, one MLP per block)."""
-    return samba_folder(tmp_path, layer_types=["linear_attention", "sliding_attention"], num_hidden_layers=2,
-                        num_key_value_heads=4, mamba_d_state=16)[0]
+    return samba_folder(
+        tmp_path,
+        layer_types=["linear_attention", "sliding_attention"],
+        num_hidden_layers=2,
+        num_key_value_heads=4,
+        mamba_d_state=16,
+    )[0]
 
 
 def test_export_of_a_llama_folder_is_refused(tmp_path, capsys):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                 num_attention_heads=4)).save_pretrained(tmp_path / "llama")
-    one_line_error(capsys, ["export", "lit-gpt", str(tmp_path / "llama"), str(tmp_path / "x.pth")],
-                   "'llama' model, not a Samba model")
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4)
+    ).save_pretrained(tmp_path / "llama")
+    one_line_error(
+        capsys,
+        ["export", "lit-gpt", str(tmp_path / "llama"), str(tmp_path / "x.pth")],
+        "'llama' model, not a Samba model",
+    )
     assert not (tmp_path / "x.pth").exists() and not leftovers(tmp_path)
 
 
@@ -124,11 +137,14 @@ def test_export_of_a_folder_with_damaged_tensors_is_refused(tmp_path, capsys, da
     else:
         tensors["model.norm.weight"] = torch.ones(31)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    expected = {"missing": "missing (1): model.layers.1.self_attn.o_proj.weight",
-                "unexpected": "unexpected (1): model.layers.0.mamba.extra",
-                "wrong shape": "model.norm.weight: checkpoint [31], config expects [32]"}[damage]
-    one_line_error(capsys, ["export", "lit-gpt", str(folder), str(tmp_path / "x.pth")], "do not match its config.json",
-                   expected)
+    expected = {
+        "missing": "missing (1): model.layers.1.self_attn.o_proj.weight",
+        "unexpected": "unexpected (1): model.layers.0.mamba.extra",
+        "wrong shape": "model.norm.weight: checkpoint [31], config expects [32]",
+    }[damage]
+    one_line_error(
+        capsys, ["export", "lit-gpt", str(folder), str(tmp_path / "x.pth")], "do not match its config.json", expected
+    )
     assert not (tmp_path / "x.pth").exists() and not leftovers(tmp_path)
 
 
@@ -136,10 +152,17 @@ def test_export_force_never_replaces_what_it_did_not_write(tmp_path, capsys):
     folder = exportable_folder(tmp_path)
     notes = tmp_path / "notes.pth"
     notes.write_text("my notes")
-    one_line_error(capsys, ["export", "lit-gpt", str(folder), str(notes), "--force"], "not a checkpoint that samba-hf export wrote")
+    one_line_error(
+        capsys,
+        ["export", "lit-gpt", str(folder), str(notes), "--force"],
+        "not a checkpoint that samba-hf export wrote",
+    )
     assert notes.read_text() == "my notes"
-    one_line_error(capsys, ["export", "lit-gpt", str(folder), str(folder / "model.safetensors"), "--force"],
-                   "a file of the source folder")
+    one_line_error(
+        capsys,
+        ["export", "lit-gpt", str(folder), str(folder / "model.safetensors"), "--force"],
+        "a file of the source folder",
+    )
     one_line_error(capsys, ["export", "lit-gpt", str(folder), str(tmp_path)], "is a folder")
     assert main(["export", "lit-gpt", str(folder), str(tmp_path / "a.pth")]) == 0
     assert main(["export", "lit-gpt", str(folder), str(tmp_path / "a.pth"), "--force"]) == 0  # an earlier export
@@ -153,9 +176,11 @@ def test_nan_in_the_source_names_the_tensor_with_and_without_verify(tmp_path, ca
     model["layers"][1]["o"][3, 5] = float("nan")
     src = save_official(tmp_path, model)
     for verify in ("--verify", "--no-verify"):
-        one_line_error(capsys, ["convert", "lit-gpt", str(src), str(tmp_path / "out"), verify, "--config",
-                                str(write_config(tmp_path))],
-                       "model.layers.1.self_attn.o_proj.weight holds NaN or inf values in the source")
+        one_line_error(
+            capsys,
+            ["convert", "lit-gpt", str(src), str(tmp_path / "out"), verify, "--config", str(write_config(tmp_path))],
+            "model.layers.1.self_attn.o_proj.weight holds NaN or inf values in the source",
+        )
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
@@ -166,9 +191,11 @@ def test_integer_weights_in_the_source_name_the_tensor_with_and_without_verify(t
     state["transformer.h.1.attn.proj.weight"] = (state["transformer.h.1.attn.proj.weight"] * 100).to(torch.int8)
     torch.save(state, src)
     for verify in ("--verify", "--no-verify"):
-        one_line_error(capsys, ["convert", "lit-gpt", str(src), str(tmp_path / "out"), verify, "--config",
-                                str(write_config(tmp_path))],
-                       "model.layers.1.self_attn.o_proj.weight is int8 in the source checkpoint, not a floating-point")
+        one_line_error(
+            capsys,
+            ["convert", "lit-gpt", str(src), str(tmp_path / "out"), verify, "--config", str(write_config(tmp_path))],
+            "model.layers.1.self_attn.o_proj.weight is int8 in the source checkpoint, not a floating-point",
+        )
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
@@ -182,8 +209,11 @@ def test_a_float16_overflow_names_the_tensor_and_the_fix(tmp_path):
     model = true_model(["mamba", "attn"], seed=3)
     model["layers"][0]["gate"][0, 0] = 1e6  # beyond float16's 65504
     src = save_official(tmp_path, model)
-    with pytest.raises(ConversionError, match=r"model.layers.0.mlp.gate_proj.weight has values up to 1e\+06, beyond "
-                                              r"the range of float16.*--dtype bfloat16"):
+    with pytest.raises(
+        ConversionError,
+        match=r"model.layers.0.mlp.gate_proj.weight has values up to 1e\+06, beyond "
+        r"the range of float16.*--dtype bfloat16",
+    ):
         convert("lit-gpt", src, tmp_path / "out", config=official_config(layers=2), dtype="float16", progress=False)
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
     convert("lit-gpt", src, tmp_path / "out", config=official_config(layers=2), dtype="bfloat16", progress=False)
@@ -209,17 +239,26 @@ def small_official_names(monkeypatch):
     """Official names with test-sized shapes: the real ones build 421M parameters. `_nope` and the window variants
     keep the shapes of their base, as in the official list."""
     base = dict(n_layer=2, n_head=12, n_query_groups=4, n_embd=96, intermediate_size=64, vocab_size=100)
-    for name, extra in {"Samba_421M": {}, "Samba_421M_nope": {"nope": True},
-                        "Samba_421M_512_window": {"local_window": 512}}.items():
+    for name, extra in {
+        "Samba_421M": {},
+        "Samba_421M_nope": {"nope": True},
+        "Samba_421M_512_window": {"local_window": 512},
+    }.items():
         monkeypatch.setitem(lit_gpt.OFFICIAL_CONFIGS, name, {**base, **extra})
 
 
 def save_with_hparams(tmp_path, model_name, seed=5):
     sd = official_state_dict(true_model(["mamba", "attn"], seed=seed))
     path = tmp_path / "iter-000100-ckpt.pth"
-    torch.save({"model": sd, "optimizer": {"state": {}}, "iter_num": 100,
-                "hparams": {"model_name": model_name, "learning_rate": 4e-4, "name": f"tsz512x4k_20B_{model_name}"}},
-               path)
+    torch.save(
+        {
+            "model": sd,
+            "optimizer": {"state": {}},
+            "iter_num": 100,
+            "hparams": {"model_name": model_name, "learning_rate": 4e-4, "name": f"tsz512x4k_20B_{model_name}"},
+        },
+        path,
+    )
     return path
 
 
@@ -234,8 +273,9 @@ def test_the_recorded_model_name_is_used_without_config(tmp_path, capsys, small_
 def test_a_contradicting_config_name_is_refused_unless_forced(tmp_path, capsys, small_official_names, given):
     src = save_with_hparams(tmp_path, "Samba_421M_nope")
     argv = ["convert", "lit-gpt", str(src), str(tmp_path / "out"), "--no-verify", "--config", given]
-    one_line_error(capsys, argv, "records model_name 'Samba_421M_nope'", "--config differs from it in",
-                   "--force-config")
+    one_line_error(
+        capsys, argv, "records model_name 'Samba_421M_nope'", "--config differs from it in", "--force-config"
+    )
     assert not (tmp_path / "out").exists()
     assert main(argv + ["--force-config"]) == 0
     assert "overriding the recorded 'Samba_421M_nope'" in capsys.readouterr().err
@@ -245,14 +285,18 @@ def test_an_agreeing_config_and_an_unknown_recorded_name(tmp_path, capsys, small
     src = save_with_hparams(tmp_path, "Samba_421M")
     assert main(["convert", "lit-gpt", str(src), str(tmp_path / "a"), "--no-verify", "--config", "Samba_421M"]) == 0
     src = save_with_hparams(tmp_path, "Samba_7B_custom")
-    one_line_error(capsys, ["convert", "lit-gpt", str(src), str(tmp_path / "b"), "--no-verify"],
-                   "trained as model_name 'Samba_7B_custom'", "SambaConfig JSON")
+    one_line_error(
+        capsys,
+        ["convert", "lit-gpt", str(src), str(tmp_path / "b"), "--no-verify"],
+        "trained as model_name 'Samba_7B_custom'",
+        "SambaConfig JSON",
+    )
     config = tmp_path / "config.json"
     config.write_text(json.dumps(lit_gpt.config_from_name("Samba_421M").to_dict()))
     assert main(["convert", "lit-gpt", str(src), str(tmp_path / "b"), "--no-verify", "--config", str(config)]) == 0
 
 
-# ---------------------------------------------------------------- interrupted runs leave nothing (or say what they left)
+# -------------------------------------------------------------- interrupted runs leave nothing (or say what they left)
 
 SLOW_CONVERT = """
 import sys, time
@@ -272,8 +316,12 @@ def start_slow_conversion(tmp_path, out):
     save_mamba(tmp_path / "mamba", layers=1)
     script = tmp_path / "slow.py"
     script.write_text(SLOW_CONVERT)
-    process = subprocess.Popen([sys.executable, str(script), "convert", "mamba", str(tmp_path / "mamba"), str(out),
-                                "--no-verify"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(script), "convert", "mamba", str(tmp_path / "mamba"), str(out), "--no-verify"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout.readline().strip() == "writing"  # the partial folder is on disk now
     assert [p for p in leftovers(tmp_path) if p.endswith(".partial")]
     return process
@@ -333,8 +381,12 @@ def test_a_user_file_that_looks_a_little_like_ours_is_never_touched(tmp_path):
 def test_out_whose_parent_is_a_file(tmp_path, capsys):
     save_mamba(tmp_path / "mamba", layers=1)
     (tmp_path / "file").write_text("x")
-    one_line_error(capsys, ["convert", "mamba", str(tmp_path / "mamba"), str(tmp_path / "file" / "out"),
-                            "--no-verify"], "cannot write", "a parent of OUT is a file")
+    one_line_error(
+        capsys,
+        ["convert", "mamba", str(tmp_path / "mamba"), str(tmp_path / "file" / "out"), "--no-verify"],
+        "cannot write",
+        "a parent of OUT is a file",
+    )
     folder = exportable_folder(tmp_path)
     one_line_error(capsys, ["export", "lit-gpt", str(folder), str(tmp_path / "file" / "x.pth")], "cannot write")
 
@@ -347,35 +399,48 @@ def test_a_full_or_read_only_file_system(tmp_path, capsys, monkeypatch, code, fi
         raise OSError(code, os.strerror(code), str(filename))
 
     monkeypatch.setattr(writer, "save_file", refuse)
-    one_line_error(capsys, ["convert", "mamba", str(tmp_path / "mamba"), str(tmp_path / "out"), "--no-verify"],
-                   os.strerror(code), fix)
+    one_line_error(
+        capsys,
+        ["convert", "mamba", str(tmp_path / "mamba"), str(tmp_path / "out"), "--no-verify"],
+        os.strerror(code),
+        fix,
+    )
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
 # ---------------------------------------------------------------- wrong --config
 
 
-@pytest.mark.parametrize("content, fragment", [
-    ("{not json", "cannot read --config"),
-    ("[1, 2]", "not a SambaConfig JSON"),
-    ('{"hidden_size": -4}', "`hidden_size`"),
-    ('{"hidden_size": "96"}', "`hidden_size`"),
-    ('{"model_type": "llama", "hidden_size": 96}', "not a SambaConfig JSON"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("{not json", "cannot read --config"),
+        ("[1, 2]", "not a SambaConfig JSON"),
+        ('{"hidden_size": -4}', "`hidden_size`"),
+        ('{"hidden_size": "96"}', "`hidden_size`"),
+        ('{"model_type": "llama", "hidden_size": 96}', "not a SambaConfig JSON"),
+    ],
+)
 def test_a_wrong_config_json(tmp_path, capsys, content, fragment):
     src = save_official(tmp_path, true_model(["mamba", "attn"], seed=6))
     (tmp_path / "bad.json").write_text(content)
-    one_line_error(capsys, ["convert", "lit-gpt", str(src), str(tmp_path / "out"), "--config",
-                            str(tmp_path / "bad.json")], fragment)
+    one_line_error(
+        capsys,
+        ["convert", "lit-gpt", str(src), str(tmp_path / "out"), "--config", str(tmp_path / "bad.json")],
+        fragment,
+    )
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("source", ["fla", "mamba", "mistral"])
-@pytest.mark.parametrize("content, fragment", [
-    (b"{not json", "is not readable JSON (Expecting property name"),
-    (b"\xff\xfe{}", "is not readable JSON ('utf-8' codec can't decode"),
-    (b"[1, 2]", "holds list, not a JSON object of config fields"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (b"{not json", "is not readable JSON (Expecting property name"),
+        (b"\xff\xfe{}", "is not readable JSON ('utf-8' codec can't decode"),
+        (b"[1, 2]", "holds list, not a JSON object of config fields"),
+    ],
+)
 def test_a_source_config_json_that_is_not_json(tmp_path, capsys, source, content, fragment):
     if source == "fla":
         src = save_fla(tmp_path, true_model(["mamba", "attn"], seed=6), attn_layers=[1])
@@ -384,8 +449,9 @@ def test_a_source_config_json_that_is_not_json(tmp_path, capsys, source, content
         save_mamba(src, layers=1)
     (src / "config.json").write_bytes(content)
     before = listing(src)
-    one_line_error(capsys, ["convert", source, str(src), str(tmp_path / "out")], fragment,
-                   "restore the source's config.json")
+    one_line_error(
+        capsys, ["convert", source, str(src), str(tmp_path / "out")], fragment, "restore the source's config.json"
+    )
     assert not (tmp_path / "out").exists() and listing(src) == before
 
 
@@ -398,8 +464,9 @@ def test_a_source_folders_tokenizer_is_kept_without_tokenizer_flag(tmp_path, cap
     from samba_hf.cli import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, state_size=4)
-                     ).save_pretrained(tmp_path / "bare")
+    MambaForCausalLM(
+        MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, state_size=4)
+    ).save_pretrained(tmp_path / "bare")
     (tmp_path / "mamba").mkdir()
     for name in ("config.json", "model.safetensors"):
         (tmp_path / "mamba" / name).write_bytes((tmp_path / "bare" / name).read_bytes())
@@ -420,9 +487,14 @@ def sentencepiece_model() -> bytes:
     import sentencepiece
 
     model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(["Mamba layers read the sequence once."] * 40),
-                                             model_writer=model, vocab_size=60, model_type="bpe", minloglevel=2,
-                                             hard_vocab_limit=False)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(["Mamba layers read the sequence once."] * 40),
+        model_writer=model,
+        vocab_size=60,
+        model_type="bpe",
+        minloglevel=2,
+        hard_vocab_limit=False,
+    )
     return model.getvalue()
 
 
@@ -434,12 +506,25 @@ def test_a_damaged_sentencepiece_tokenizer_is_named_before_converting(tmp_path, 
     pytest.importorskip("google.protobuf")
     blob = sentencepiece_model()
     src = save_official(tmp_path, true_model(["mamba", "attn"], seed=2))
-    argv = ["convert", "lit-gpt", str(src), str(tmp_path / "out"), "--config", str(write_config(tmp_path)),
-            "--tokenizer", str(tmp_path / "tokenizer.model")]
+    argv = [
+        "convert",
+        "lit-gpt",
+        str(src),
+        str(tmp_path / "out"),
+        "--config",
+        str(write_config(tmp_path)),
+        "--tokenizer",
+        str(tmp_path / "tokenizer.model"),
+    ]
     (tmp_path / "tokenizer.model").write_bytes(blob)
     assert main(argv) == 0  # the whole file converts
-    (tmp_path / "tokenizer.model").write_bytes({"garbage": b"\x0a\x05hello, not a model" * 3,
-                                               "truncated": blob[: len(blob) // 2], "empty": b""}[damage])
-    one_line_error(capsys, [*argv[:3], str(tmp_path / "out2"), *argv[4:]],
-                   f"{tmp_path / 'tokenizer.model'} is not a SentencePiece model", "truncated, corrupt")
+    (tmp_path / "tokenizer.model").write_bytes(
+        {"garbage": b"\x0a\x05hello, not a model" * 3, "truncated": blob[: len(blob) // 2], "empty": b""}[damage]
+    )
+    one_line_error(
+        capsys,
+        [*argv[:3], str(tmp_path / "out2"), *argv[4:]],
+        f"{tmp_path / 'tokenizer.model'} is not a SentencePiece model",
+        "truncated, corrupt",
+    )
     assert not (tmp_path / "out2").exists() and not leftovers(tmp_path)

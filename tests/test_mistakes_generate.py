@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from samba_hf.cli import default_model_path
@@ -69,8 +68,12 @@ def test_a_missing_tensor_is_not_initialised_at_random(capsys, folder):
 
 def test_weights_of_another_shape_name_the_tensor_and_both_shapes(capsys, folder):
     edit_config(folder, intermediate_size=512)
-    refused(capsys, generate(folder), "do not match its config.json",
-            "model.layers.0.mlp.gate_proj.weight: checkpoint [640, 256], config expects [512, 256]")
+    refused(
+        capsys,
+        generate(folder),
+        "do not match its config.json",
+        "model.layers.0.mlp.gate_proj.weight: checkpoint [640, 256], config expects [512, 256]",
+    )
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt", "empty", "gone"])
@@ -87,39 +90,53 @@ def test_unreadable_weights(capsys, folder, damage):
 # ---------------------------------------------------------------- config.json
 
 
-@pytest.mark.parametrize("content, fragment", [
-    ("{\"model_type\": \"samba\",", "cannot read"),
-    ("[1, 2, 3]", "not an object"),
-    ("", "cannot read"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ('{"model_type": "samba",', "cannot read"),
+        ("[1, 2, 3]", "not an object"),
+        ("", "cannot read"),
+    ],
+)
 def test_config_json_that_is_not_a_json_object(capsys, folder, content, fragment):
     (folder / "config.json").write_text(content)
     refused(capsys, generate(folder), "config.json", fragment)
 
 
-@pytest.mark.parametrize("changes, fragment", [
-    ({"hidden_size": -256}, "`hidden_size`"),
-    ({"num_hidden_layers": "6"}, "`num_hidden_layers`"),
-    ({"layer_types": ["linear_attention"] * 5}, "`layer_types` has 5 entries"),
-    ({"hidden_act": "swishy"}, "`hidden_act`"),
-    ({"rms_norm_eps": -1e-5}, "`rms_norm_eps`"),
-    ({"vocab_size": 0}, "`vocab_size`"),
-])
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [
+        ({"hidden_size": -256}, "`hidden_size`"),
+        ({"num_hidden_layers": "6"}, "`num_hidden_layers`"),
+        ({"layer_types": ["linear_attention"] * 5}, "`layer_types` has 5 entries"),
+        ({"hidden_act": "swishy"}, "`hidden_act`"),
+        ({"rms_norm_eps": -1e-5}, "`rms_norm_eps`"),
+        ({"vocab_size": 0}, "`vocab_size`"),
+    ],
+)
 def test_config_json_with_invalid_values(capsys, folder, changes, fragment):
     edit_config(folder, **changes)
     refused(capsys, generate(folder), "config.json", fragment)
 
 
-@pytest.mark.parametrize("content, fragment", [
-    ("{\"max_new_tokens\": 5,", "is not a valid JSON file"),
-    ("[1, 2]", "'list' object is not a mapping"),
-    ("{\"max_new_tokens\": -5}", "`max_new_tokens` must be greater than 0"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ('{"max_new_tokens": 5,', "is not a valid JSON file"),
+        ("[1, 2]", "'list' object is not a mapping"),
+        ('{"max_new_tokens": -5}', "`max_new_tokens` must be greater than 0"),
+    ],
+)
 def test_a_generation_config_json_that_cannot_be_read_is_not_dropped(capsys, folder, content, fragment):
     # transformers' from_pretrained drops it without a word and decodes with other settings
     (folder / "generation_config.json").write_text(content)
-    refused(capsys, generate(folder), "generation_config.json' cannot be read", fragment,
-            "remove it to decode with the settings of config.json")
+    refused(
+        capsys,
+        generate(folder),
+        "generation_config.json' cannot be read",
+        fragment,
+        "remove it to decode with the settings of config.json",
+    )
     refused(capsys, ["eval", "passkey", "--model", str(folder), "--lengths", "200"], fragment)
 
 
@@ -149,25 +166,28 @@ def test_a_tokenizer_larger_than_the_vocabulary(capsys, folder):
 # ---------------------------------------------------------------- arguments, checked before anything is loaded
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    (["--do-sample", "--temperature", "0"], "--temperature must be a finite number above 0"),
-    (["--do-sample", "--temperature", "-1"], "--temperature must be"),
-    (["--do-sample", "--temperature", "nan"], "--temperature must be"),
-    (["--do-sample", "--temperature", "inf"], "--temperature must be"),
-    (["--do-sample", "--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--do-sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
-    (["--do-sample", "--top-p", "nan"], "--top-p must be in (0, 1]"),
-    (["--do-sample", "--top-k", "-1"], "--top-k must be 0 (no limit) or more"),
-    (["--do-sample", "--seed", str(2**64)], "--seed must be between 0 and 2**64 - 1"),
-    (["--do-sample", "--seed", "-3"], "--seed must be between"),
-    (["--temperature", "0.7"], "--temperature only applies when sampling: add --do-sample"),
-    (["--top-k", "5", "--seed", "1"], "--top-k, --seed only apply when sampling"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
-    (["--prefill-chunk-size", "0"], "--prefill-chunk-size must be at least 1"),
-    (["--model", ""], "--model is empty"),
-    (["--model", "  "], "--model is empty"),
-    (["--tokenizer", ""], "--tokenizer is empty"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--do-sample", "--temperature", "0"], "--temperature must be a finite number above 0"),
+        (["--do-sample", "--temperature", "-1"], "--temperature must be"),
+        (["--do-sample", "--temperature", "nan"], "--temperature must be"),
+        (["--do-sample", "--temperature", "inf"], "--temperature must be"),
+        (["--do-sample", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--do-sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--do-sample", "--top-p", "nan"], "--top-p must be in (0, 1]"),
+        (["--do-sample", "--top-k", "-1"], "--top-k must be 0 (no limit) or more"),
+        (["--do-sample", "--seed", str(2**64)], "--seed must be between 0 and 2**64 - 1"),
+        (["--do-sample", "--seed", "-3"], "--seed must be between"),
+        (["--temperature", "0.7"], "--temperature only applies when sampling: add --do-sample"),
+        (["--top-k", "5", "--seed", "1"], "--top-k, --seed only apply when sampling"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+        (["--prefill-chunk-size", "0"], "--prefill-chunk-size must be at least 1"),
+        (["--model", ""], "--model is empty"),
+        (["--model", "  "], "--model is empty"),
+        (["--tokenizer", ""], "--tokenizer is empty"),
+    ],
+)
 def test_flags_transformers_would_reject_or_ignore(capsys, flags, fragment):
     refused(capsys, ["generate", "The assert statement", *flags], fragment)
 
@@ -177,30 +197,40 @@ def test_a_file_given_as_the_model(capsys, folder):
 
 
 def test_a_prompt_that_is_not_utf8():
-    result = subprocess.run([sys.executable, "-m", "samba_hf_cli", "generate", b"caf\xe9 \xff"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "samba_hf_cli", "generate", b"caf\xe9 \xff"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and result.stdout == ""
-    assert result.stderr.strip() == ("samba-hf: error: the prompt is not valid UTF-8 text (byte 0xe9 at character 3); "
-                                     "pass UTF-8 text")
+    assert result.stderr.strip() == (
+        "samba-hf: error: the prompt is not valid UTF-8 text (byte 0xe9 at character 3); pass UTF-8 text"
+    )
 
 
 def test_help_and_argument_errors_load_neither_torch_nor_transformers():
-    code = ("import sys\nfrom samba_hf_cli import main\n"
-            "for argv in (['--help'], ['generate', '--help'], ['convert', 'nope'], ['generate', 'x', '--top-p', '2']):\n"
-            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys\nfrom samba_hf_cli import main\n"
+        "for argv in (['--help'], ['generate', '--help'], ['convert', 'nope'], ['generate', 'x', '--top-p', '2']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stderr
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    ([], "the following arguments are required: command"),
-    (["generate"], "the following arguments are required: prompt"),
-    (["generate", "x", "--max-new-tokens", "many"], "invalid int value: 'many'"),
-    (["generate", "x", "--dtype", "float8"], "invalid choice: 'float8'"),
-    (["convert", "safetensors", "a", "b"], "invalid choice: 'safetensors'"),
-    (["export", "lit-gpt", "a"], "the following arguments are required: out"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        ([], "the following arguments are required: command"),
+        (["generate"], "the following arguments are required: prompt"),
+        (["generate", "x", "--max-new-tokens", "many"], "invalid int value: 'many'"),
+        (["generate", "x", "--dtype", "float8"], "invalid choice: 'float8'"),
+        (["convert", "safetensors", "a", "b"], "invalid choice: 'safetensors'"),
+        (["export", "lit-gpt", "a"], "the following arguments are required: out"),
+    ],
+)
 def test_argument_errors_are_one_line_too(capsys, argv, fragment):
     with pytest.raises(SystemExit) as stop:
         main(argv)
@@ -212,13 +242,16 @@ def test_argument_errors_are_one_line_too(capsys, argv, fragment):
 # ---------------------------------------------------------------- speculative decoding
 
 
-@pytest.mark.parametrize("argv, fragments", [
-    (["--prompt-lookup", "0"], ["--prompt-lookup", "at least 1, got 0"]),
-    (["--prompt-lookup", "-3"], ["at least 1, got -3"]),
-    (["--prompt-lookup", "3", "--assistant", "x"], ["give one of them"]),
-    (["--prompt-lookup", "3", "--compile"], ["--prompt-lookup verifies drafts on the dynamic cache"]),
-    (["--assistant", " "], ["--assistant is empty"]),
-])
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--prompt-lookup", "0"], ["--prompt-lookup", "at least 1, got 0"]),
+        (["--prompt-lookup", "-3"], ["at least 1, got -3"]),
+        (["--prompt-lookup", "3", "--assistant", "x"], ["give one of them"]),
+        (["--prompt-lookup", "3", "--compile"], ["--prompt-lookup verifies drafts on the dynamic cache"]),
+        (["--assistant", " "], ["--assistant is empty"]),
+    ],
+)
 def test_speculative_flags_that_cannot_work(capsys, argv, fragments):
     refused(capsys, ["generate", "The assert statement", *argv], *fragments)
 
@@ -234,8 +267,16 @@ def test_an_assistant_with_another_tokenizer(capsys, folder):
 
 
 def test_prompt_lookup_and_an_assistant_give_the_plain_greedy_text(capsys, folder):
-    argv = ["generate", "The assert statement. The assert statement", "--model", str(folder), "--max-new-tokens", "24",
-            "--dtype", "float32"]
+    argv = [
+        "generate",
+        "The assert statement. The assert statement",
+        "--model",
+        str(folder),
+        "--max-new-tokens",
+        "24",
+        "--dtype",
+        "float32",
+    ]
     assert main(argv) == 0
     plain = capsys.readouterr().out
     for extra in (["--prompt-lookup", "4"], ["--assistant", str(folder)]):

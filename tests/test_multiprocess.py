@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import tiny_model
+from safetensors.torch import load_file
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "finetune.py"
 
@@ -27,8 +26,13 @@ def free_port() -> int:
 
 
 def run(command, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -50,9 +54,29 @@ def start(tmp_path_factory):
 def test_two_cpu_processes_match_one_process(start, tmp_path):
     common = ["--model", str(start), "--global-batch", "4", "--per-device-batch", "2", "--steps", "3", "--block", "32"]
     run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "one"), *common], cwd=tmp_path)
-    run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-         str(SCRIPT), "--out", str(tmp_path / "two"), *common], cwd=tmp_path)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            str(SCRIPT),
+            "--out",
+            str(tmp_path / "two"),
+            *common,
+        ],
+        cwd=tmp_path,
+    )
     one = json.loads((tmp_path / "one" / "losses.json").read_text())
     two = json.loads((tmp_path / "two" / "losses.json").read_text())
     assert (one["world_size"], two["world_size"]) == (1, 2)

@@ -6,9 +6,8 @@ kind and attention implementation: attention stays within a document and the Mam
 
 import pytest
 import torch
-from transformers import DataCollatorWithFlattening
-
 from conftest import returned_cache, tiny_model
+from transformers import DataCollatorWithFlattening
 
 LAYOUTS = {
     "samba": None,

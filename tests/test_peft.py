@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import returned_cache, tiny_model
 from peft import PeftModel, get_peft_model
 from transformers import DynamicCache
 
 from samba_hf.training import LORA_TARGET_MODULES, lora_config
-
-from conftest import returned_cache, tiny_model
 
 IDS = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(0))
 
@@ -93,8 +92,14 @@ def test_adapter_saves_loads_and_disables(tmp_path):
 def test_generate_with_an_adapter_uses_the_hybrid_cache():
     model = get_peft_model(tiny_model(seed=4), lora_config(r=4, init_lora_weights=False)).eval()
     prompt = IDS[:1, :6]
-    out = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
-                         pad_token_id=0, eos_token_id=None)
+    out = model.generate(
+        input_ids=prompt,
+        max_new_tokens=8,
+        do_sample=False,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     cache = returned_cache(out)
     assert isinstance(cache, DynamicCache) and cache.get_recurrent_state(0) is not None
     ids = out.sequences

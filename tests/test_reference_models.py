@@ -2,11 +2,17 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM, MistralConfig, MistralForCausalLM
+from conftest import returned_cache, tiny_model
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 from samba_hf import cpu_kernels_samba, ssm_samba
-
-from conftest import returned_cache, tiny_model
 
 TOL = 1e-4
 
@@ -19,13 +25,27 @@ def test_all_mamba_matches_transformers_mamba():
     model = tiny_model(layer_types=["linear_attention"] * 3, num_hidden_layers=3, intermediate_size=0)
     c = model.config
     ref_config = MambaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, state_size=c.mamba_d_state, num_hidden_layers=3,
-        layer_norm_epsilon=c.rms_norm_eps, expand=c.mamba_expand, conv_kernel=c.mamba_d_conv, use_bias=False,
-        use_conv_bias=True, time_step_rank=c.mamba_dt_rank, tie_word_embeddings=True, residual_in_fp32=False,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        state_size=c.mamba_d_state,
+        num_hidden_layers=3,
+        layer_norm_epsilon=c.rms_norm_eps,
+        expand=c.mamba_expand,
+        conv_kernel=c.mamba_d_conv,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_rank=c.mamba_dt_rank,
+        tie_word_embeddings=True,
+        residual_in_fp32=False,
     )
     reference = MambaForCausalLM(ref_config).eval()
-    renames = {"model.embed_tokens": "backbone.embeddings", "model.norm": "backbone.norm_f",
-               ".input_layernorm": ".norm", ".mamba.": ".mixer.", "model.layers": "backbone.layers"}
+    renames = {
+        "model.embed_tokens": "backbone.embeddings",
+        "model.norm": "backbone.norm_f",
+        ".input_layernorm": ".norm",
+        ".mamba.": ".mixer.",
+        "model.layers": "backbone.layers",
+    }
     state = {}
     for key, value in model.state_dict().items():
         for old, new in renames.items():
@@ -54,13 +74,25 @@ def test_all_sliding_matches_mistral(attn_implementation):
     model = tiny_model(layer_types=["sliding_attention"] * 3, num_hidden_layers=3)
     model.config._attn_implementation = attn_implementation
     c = model.config
-    reference = _attention_reference(model, MistralForCausalLM, MistralConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=3, num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim, sliding_window=c.sliding_window, rms_norm_eps=c.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
-        max_position_embeddings=c.max_position_embeddings, attn_implementation=attn_implementation,
-    ))
+    reference = _attention_reference(
+        model,
+        MistralForCausalLM,
+        MistralConfig(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=3,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            sliding_window=c.sliding_window,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=True,
+            max_position_embeddings=c.max_position_embeddings,
+            attn_implementation=attn_implementation,
+        ),
+    )
     ids = torch.randint(3, c.vocab_size, (2, 5 * c.sliding_window))  # several windows long
     with torch.no_grad():
         ours, theirs = model(ids).logits, reference(ids).logits
@@ -75,16 +107,31 @@ def test_all_sliding_matches_mistral(attn_implementation):
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_all_full_attention_matches_llama(attn_implementation):
-    model = tiny_model(layer_types=["full_attention"] * 3, num_hidden_layers=3, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    model = tiny_model(
+        layer_types=["full_attention"] * 3,
+        num_hidden_layers=3,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
     model.config._attn_implementation = attn_implementation
     c = model.config
-    reference = _attention_reference(model, LlamaForCausalLM, LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=3, num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-        tie_word_embeddings=True, max_position_embeddings=c.max_position_embeddings,
-        attn_implementation=attn_implementation,
-    ))
+    reference = _attention_reference(
+        model,
+        LlamaForCausalLM,
+        LlamaConfig(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=3,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            tie_word_embeddings=True,
+            max_position_embeddings=c.max_position_embeddings,
+            attn_implementation=attn_implementation,
+        ),
+    )
     ids = torch.randint(3, c.vocab_size, (2, 30))
     with torch.no_grad():
         assert _max_diff(model(ids).logits, reference(ids).logits) <= TOL
@@ -92,8 +139,11 @@ def test_all_full_attention_matches_llama(attn_implementation):
 
 def test_rope_scaling_reaches_the_attention():
     plain = tiny_model(layer_types=["full_attention"] * 2, num_hidden_layers=2)
-    scaled = tiny_model(layer_types=["full_attention"] * 2, num_hidden_layers=2,
-                        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    scaled = tiny_model(
+        layer_types=["full_attention"] * 2,
+        num_hidden_layers=2,
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    )
     assert torch.allclose(scaled.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq / 4)
     ids = torch.randint(3, 97, (1, 12))
     with torch.no_grad():
@@ -171,7 +221,10 @@ def test_blockwise_sliding_attention_equals_dense(window, past, q_len):
     g = torch.Generator().manual_seed(window + past + q_len)
     b, heads, kv_heads, dim = 2, 4, 2, 8
     q = torch.randn(b, heads, q_len, dim, generator=g)
-    k, v = torch.randn(b, kv_heads, past + q_len, dim, generator=g), torch.randn(b, kv_heads, past + q_len, dim, generator=g)
+    k, v = (
+        torch.randn(b, kv_heads, past + q_len, dim, generator=g),
+        torch.randn(b, kv_heads, past + q_len, dim, generator=g),
+    )
     padding = torch.ones(b, past + q_len, dtype=torch.bool)
     padding[1, : (past + q_len) // 3] = False  # left padding in the second row
     module = SimpleNamespace(num_key_value_groups=heads // kv_heads)
@@ -186,7 +239,9 @@ def test_blockwise_sliding_attention_equals_dense(window, past, q_len):
     ref = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num() @ vv
     real = allowed.any(-1)[:, 0]  # queries that see at least one key (others are padding)
     assert out.shape == (b, q_len, heads, dim)
-    assert (out.transpose(1, 2)[real[:, None].expand(-1, heads, -1)] - ref[real[:, None].expand(-1, heads, -1)]).abs().max() <= 1e-5
+    assert (
+        out.transpose(1, 2)[real[:, None].expand(-1, heads, -1)] - ref[real[:, None].expand(-1, heads, -1)]
+    ).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("window, past, q_len", [(8, 0, 37), (8, 7, 20), (200, 0, 300), (200, 199, 150)])
@@ -204,7 +259,10 @@ def test_flex_sliding_attention_equals_the_blockwise_path(window, past, q_len):
     g = torch.Generator().manual_seed(window + past + q_len)
     b, heads, kv_heads, dim = 2, 4, 2, 8
     q = torch.randn(b, heads, q_len, dim, generator=g)
-    k, v = torch.randn(b, kv_heads, past + q_len, dim, generator=g), torch.randn(b, kv_heads, past + q_len, dim, generator=g)
+    k, v = (
+        torch.randn(b, kv_heads, past + q_len, dim, generator=g),
+        torch.randn(b, kv_heads, past + q_len, dim, generator=g),
+    )
     module = SimpleNamespace(num_key_value_groups=heads // kv_heads)
     for padding in (None, torch.ones(b, past + q_len, dtype=torch.bool)):
         if padding is not None:
@@ -262,8 +320,9 @@ def test_flex_attention_failing_in_a_forward_goes_block_wise_and_says_so(monkeyp
     said = [r.getMessage() for r in caplog.records if "flex_attention failed" in r.getMessage()]
     assert len(said) == 1 and "No choices to select" in said[0] and "block-wise" in said[0]
     config = model.config
-    key = modeling.flex_attention_key(torch.device("cpu"), torch.float32, config.head_dim,
-                                      config.num_attention_heads // config.num_key_value_heads)
+    key = modeling.flex_attention_key(
+        torch.device("cpu"), torch.float32, config.head_dim, config.num_attention_heads // config.num_key_value_heads
+    )
     assert modeling._FLEX_ATTENTION_WORKS == {key: False}
 
 
@@ -292,8 +351,15 @@ def test_sdpa_over_a_cache_on_a_gpu_leaves_cudnn_out():
     from samba_hf.attention_samba import sdpa_backends
 
     cuda, gpu = torch.backends.cuda, torch.device("cuda")
-    enabled = lambda: (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
-                       cuda.math_sdp_enabled())
+
+    def enabled():
+        return (
+            cuda.cudnn_sdp_enabled(),
+            cuda.flash_sdp_enabled(),
+            cuda.mem_efficient_sdp_enabled(),
+            cuda.math_sdp_enabled(),
+        )
+
     before = enabled()
     assert before[0]
     with sdpa_backends(gpu, 1, 300):

@@ -8,23 +8,34 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import held_bytes, returned_cache
 from safetensors.torch import save_file
+from sambay_reference import random_weights, reference_logits
+from test_generation import compiled_generate_equals_eager
+from test_save_load import assert_loads_without_the_package
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from samba_hf import SambaConfig, SambaYConfig, SambaYForCausalLM
 
-from sambay_reference import random_weights, reference_logits
-from conftest import held_bytes, returned_cache
-from test_generation import compiled_generate_equals_eager
-from test_save_load import assert_loads_without_the_package
-
-# The release's config.json, model.safetensors.index.json, tokenizer_config.json and generation_config.json (no weights)
+# The release's config.json, model.safetensors.index.json, tokenizer_config.json and generation_config.json (no
+# weights)
 RELEASE = Path(__file__).resolve().parent / "data" / "sambay"
 
 # Every switch of the release, tiny: L=8 (self-decoder 0-3, memory 4, full 5, GMU 6, cross 7), GQA 8/4, window 4.
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=8,
-            num_key_value_heads=4, sliding_window=4, layer_norm_eps=1e-5, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2, mamba_d_state=8)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    sliding_window=4,
+    layer_norm_eps=1e-5,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    mamba_d_state=8,
+)
 
 
 def tiny_model(seed=0, dtype=torch.float32, **overrides) -> tuple[SambaYForCausalLM, dict]:
@@ -116,12 +127,18 @@ def release_tokenizer_settings(folder: Path, generation_config=True):
     generation_config.json, with the ids moved into the tiny vocabulary; no vocabulary files (as the release)."""
     settings = json.loads((RELEASE / "tokenizer_config.json").read_text())
     generation = json.loads((RELEASE / "generation_config.json").read_text())
-    settings["added_tokens_decoder"] = {str(tiny_id(int(i))): entry for i, entry in
-                                        settings["added_tokens_decoder"].items()}
+    settings["added_tokens_decoder"] = {
+        str(tiny_id(int(i))): entry for i, entry in settings["added_tokens_decoder"].items()
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(settings))
     if generation_config:
-        generation.update({key: [tiny_id(i) for i in value] if isinstance(value, list) else tiny_id(value)
-                           for key, value in generation.items() if key.endswith("token_id")})
+        generation.update(
+            {
+                key: [tiny_id(i) for i in value] if isinstance(value, list) else tiny_id(value)
+                for key, value in generation.items()
+                if key.endswith("token_id")
+            }
+        )
         (folder / "generation_config.json").write_text(json.dumps(generation))
 
 
@@ -136,15 +153,23 @@ def release_folder(folder: Path, seed=0, favour: int | None = None, generation_c
     folder.mkdir()
     config = {**json.loads((RELEASE / "config.json").read_text()), **TINY}
     (folder / "config.json").write_text(json.dumps(config))
-    stored = {k: v.float() if k.endswith(("A_log", "lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")) else
-              v.to(torch.bfloat16) for k, v in weights.items()}
+    stored = {
+        k: v.float()
+        if k.endswith(("A_log", "lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"))
+        else v.to(torch.bfloat16)
+        for k, v in weights.items()
+    }
     names = sorted(stored)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for file, keys in shards.items():
         save_file({k: stored[k].contiguous() for k in keys}, folder / file, metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in stored.values())},
-             "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in stored.values())},
+        "weight_map": {k: file for file, keys in shards.items() for k in keys},
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     release_tokenizer_settings(folder, generation_config)
     return stored
@@ -176,7 +201,8 @@ def test_bfloat16_follows_the_released_numerics(tmp_path):
         layer.register_forward_hook(lambda module, args, output: residual.append(output[0].dtype))
         if hasattr(layer.attn, "inner_cross_attn"):
             layer.attn.inner_cross_attn.register_forward_pre_hook(
-                lambda module, args: attention.append({t.dtype for t in args[:3]}))
+                lambda module, args: attention.append({t.dtype for t in args[:3]})
+            )
     x = ids()
     with torch.no_grad():
         out = model(x, use_cache=True)
@@ -184,8 +210,12 @@ def test_bfloat16_follows_the_released_numerics(tmp_path):
     assert residual == [torch.float32] * 8  # layer 0 is Mamba: float32 from its output on
     assert attention == [{torch.bfloat16}] * 4
     assert {layer.attn.A_log.dtype for layer in model.model.layers if hasattr(layer.attn, "A_log")} == {torch.float32}
-    assert {s.dtype for layer in returned_cache(out).layers
-            for s in layer_tensors(layer) if s.ndim == 3 and s.shape[-1] == TINY["mamba_d_state"]} == {torch.float32}
+    assert {
+        s.dtype
+        for layer in returned_cache(out).layers
+        for s in layer_tensors(layer)
+        if s.ndim == 3 and s.shape[-1] == TINY["mamba_d_state"]
+    } == {torch.float32}
     expected = reference_logits({k: v.double() for k, v in stored.items()}, TINY, x)
     error = (out.logits.double() - expected).abs().max() / expected.abs().max()
     assert error <= 4e-2, error  # 2.9% here: bf16 keeps 8 bits of mantissa (0.4% per rounding), dozens of roundings
@@ -206,8 +236,9 @@ def greedy_without_cache(model, prompt, steps):
 def test_greedy_generate_equals_recomputation(prompt_length):
     model, _ = tiny_model()
     prompt = ids(1, prompt_length)
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
-                         pad_token_id=0)
+    out = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False, pad_token_id=0
+    )
     assert torch.equal(out, greedy_without_cache(model, prompt, 16))
 
 
@@ -241,8 +272,16 @@ def test_chunked_prefill_and_left_padding_and_beams():
     beams = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
     assert beams.shape == (1, 17)
     with torch.no_grad():  # the best beam's score is the no-cache log-likelihood of its tokens
-        scores = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0,
-                                output_scores=True, return_dict_in_generate=True, length_penalty=0.0)
+        scores = model.generate(
+            prompt,
+            max_new_tokens=6,
+            num_beams=3,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+            length_penalty=0.0,
+        )
         logp = torch.log_softmax(model(scores.sequences).logits[:, 10:-1].double(), -1)
         total = logp.gather(-1, scores.sequences[:, 11:, None]).sum()
     assert scores.sequences_scores[0].item() == pytest.approx(total.item(), abs=1e-4)
@@ -358,7 +397,8 @@ def test_save_pretrained_loads_with_and_without_samba_hf(tmp_path):
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_sambay.SambaYForCausalLM"
     assert config["auto_map"]["AutoModel"] == "modeling_sambay.SambaYModel"
     assert {"modeling_sambay.py", "configuration_sambay.py", "modeling_samba.py", "ssm_samba.py"} <= {
-        p.name for p in tmp_path.iterdir()}
+        p.name for p in tmp_path.iterdir()
+    }
     x = ids(2, 15)
     with torch.no_grad():
         torch.save({"ids": x, "logits": model(x).logits}, tmp_path / "expected.pt")
@@ -375,12 +415,27 @@ def test_the_cli_says_the_released_folder_has_no_tokenizer_and_runs_with_one(tmp
     err = capsys.readouterr().err
     assert "names the Hub tokenizer 'Xenova/gpt-4o'" in err
     assert "has no tokenizer vocabulary" in err and "--tokenizer" in err
-    assert main(["generate", "The assert", "--model", str(tmp_path / "release"), "--tokenizer",
-                 default_model_path()]) == 1  # 4096 tokens: <|endoftext|> cannot be at the model's id 49
+    assert (
+        main(["generate", "The assert", "--model", str(tmp_path / "release"), "--tokenizer", default_model_path()])
+        == 1
+    )  # 4096 tokens: <|endoftext|> cannot be at the model's id 49
     assert "has '<|endoftext|>' at id" in capsys.readouterr().err
     word_tokenizer(tmp_path / "words")
-    assert main(["generate", "the assert", "--model", str(tmp_path / "release"), "--tokenizer",
-                 str(tmp_path / "words"), "--max-new-tokens", "5"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "the assert",
+                "--model",
+                str(tmp_path / "release"),
+                "--tokenizer",
+                str(tmp_path / "words"),
+                "--max-new-tokens",
+                "5",
+            ]
+        )
+        == 0
+    )
     assert "new tokens from a 2-token prompt" in capsys.readouterr().err
 
 
@@ -393,8 +448,13 @@ def word_tokenizer(folder, end_of_text="<|endoftext|>"):
     words = ["<unk>"] + [f"w{i}" for i in range(43)] + ["the", "assert", "is", "a", "of", end_of_text]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token=end_of_text, eos_token=end_of_text,
-                            pad_token=end_of_text).save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token=end_of_text,
+        eos_token=end_of_text,
+        pad_token=end_of_text,
+    ).save_pretrained(folder)
 
 
 def test_a_tokenizer_from_elsewhere_gets_the_folders_chat_tokens_and_template(tmp_path):
@@ -403,15 +463,21 @@ def test_a_tokenizer_from_elsewhere_gets_the_folders_chat_tokens_and_template(tm
     release_folder(tmp_path / "release")
     word_tokenizer(tmp_path / "words")
     tokenizer = tokenizer_for(tmp_path / "release", tmp_path / "words")
-    text = tokenizer.apply_chat_template([{"role": "system", "content": "a"}, {"role": "user", "content": "the assert"}],
-                                         tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "a"}, {"role": "user", "content": "the assert"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert text == "<|system|>a<|end|><|user|>the assert<|end|><|assistant|>"
     assert tokenizer(text, add_special_tokens=False).input_ids == [54, 47, 52, 53, 44, 45, 52, 51]
     assert end_of_turn_id(tokenizer) == 52  # <|end|>
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "release").generation_config.eos_token_id == [52, 49]
     word_tokenizer(tmp_path / "other", end_of_text="</s>")  # its own end token at 49: the chat tokens land one off
-    with pytest.raises(ModelFolderError, match="has '<\\|endoftext\\|>' at id 50, but the model folder's "
-                                               "tokenizer_config.json puts it at 49: it is not this model's tokenizer"):
+    with pytest.raises(
+        ModelFolderError,
+        match="has '<\\|endoftext\\|>' at id 50, but the model folder's "
+        "tokenizer_config.json puts it at 49: it is not this model's tokenizer",
+    ):
         tokenizer_for(tmp_path / "release", tmp_path / "other")
 
 
@@ -422,8 +488,16 @@ def test_the_cli_chats_in_the_release_format_and_stops_at_the_end_of_the_turn(tm
 
     release_folder(tmp_path / "release", favour=52, generation_config=False)
     word_tokenizer(tmp_path / "words")
-    run = ["generate", "the assert", "--model", str(tmp_path / "release"), "--tokenizer", str(tmp_path / "words"),
-           "--max-new-tokens", "4"]
+    run = [
+        "generate",
+        "the assert",
+        "--model",
+        str(tmp_path / "release"),
+        "--tokenizer",
+        str(tmp_path / "words"),
+        "--max-new-tokens",
+        "4",
+    ]
     assert main(run) == 0
     out, err = capsys.readouterr()
     assert out.startswith("the assert") and out.count("<|end|>") == 4 and "4 new tokens from a 2-token prompt" in err
@@ -434,8 +508,20 @@ def test_the_cli_chats_in_the_release_format_and_stops_at_the_end_of_the_turn(tm
     assert "--system sets the system message of a chat: add --chat" in capsys.readouterr().err
     word_tokenizer(tmp_path / "plain")
     (tmp_path / "release" / "tokenizer_config.json").unlink()  # no template anywhere
-    assert main(["generate", "the assert", "--model", str(tmp_path / "release"), "--tokenizer",
-                 str(tmp_path / "plain"), "--chat"]) == 1
+    assert (
+        main(
+            [
+                "generate",
+                "the assert",
+                "--model",
+                str(tmp_path / "release"),
+                "--tokenizer",
+                str(tmp_path / "plain"),
+                "--chat",
+            ]
+        )
+        == 1
+    )
     assert "the tokenizer has no chat template" in capsys.readouterr().err
 
 
@@ -448,7 +534,9 @@ def test_lora_on_every_projection_changes_training_and_cached_decoding(target):
     with torch.no_grad():
         base = model(x).logits
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=[target], init_lora_weights=False))
-    adapted_layers = {name.split(".")[4] for name, _ in peft_model.named_modules() if name.endswith(f"{target}.lora_A")}
+    adapted_layers = {
+        name.split(".")[4] for name, _ in peft_model.named_modules() if name.endswith(f"{target}.lora_A")
+    }
     assert adapted_layers, target
     peft_model.eval()
     with torch.no_grad():
@@ -468,39 +556,56 @@ def test_trainer_lowers_the_loss(tmp_path):
     model, _ = tiny_model(seed=6)
     sequence = ids(1, 16, seed=7)[0]
     data = [{"input_ids": sequence, "labels": sequence}] * 8
-    args = TrainingArguments(tmp_path, max_steps=12, per_device_train_batch_size=4, learning_rate=5e-3,
-                             report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
+    args = TrainingArguments(
+        tmp_path,
+        max_steps=12,
+        per_device_train_batch_size=4,
+        learning_rate=5e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.parametrize("fields, fragment", [
-    ({"num_hidden_layers": 6}, "`num_hidden_layers` must be a multiple of 4"),
-    ({"num_key_value_heads": 3, "num_attention_heads": 9, "hidden_size": 36}, "must be even"),
-    ({"hidden_size": 30}, "must be a multiple of `num_attention_heads`"),
-    ({"mb_per_layer": 3}, "`mb_per_layer` must be 2"),
-    ({"layer_types": ["full_attention"] * 8}, "leave it unset"),
-    ({"sliding_window": 0}, "`sliding_window` must be a positive integer"),
-    ({"hidden_size": "32"}, "`hidden_size` must be an int, got '32' (str); set it to such a value (default: 2560)"),
-    ({"layer_norm_eps": -1.0}, "`layer_norm_eps` must be > 0"),
-])
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        ({"num_hidden_layers": 6}, "`num_hidden_layers` must be a multiple of 4"),
+        ({"num_key_value_heads": 3, "num_attention_heads": 9, "hidden_size": 36}, "must be even"),
+        ({"hidden_size": 30}, "must be a multiple of `num_attention_heads`"),
+        ({"mb_per_layer": 3}, "`mb_per_layer` must be 2"),
+        ({"layer_types": ["full_attention"] * 8}, "leave it unset"),
+        ({"sliding_window": 0}, "`sliding_window` must be a positive integer"),
+        (
+            {"hidden_size": "32"},
+            "`hidden_size` must be an int, got '32' (str); set it to such a value (default: 2560)",
+        ),
+        ({"layer_norm_eps": -1.0}, "`layer_norm_eps` must be > 0"),
+    ],
+)
 def test_configs_the_model_cannot_build_name_the_field(fields, fragment):
     with pytest.raises(ValueError, match="SambaYConfig: .*" + re.escape(fragment)):
         SambaYConfig(**{**TINY, **fields})
 
 
-@pytest.mark.parametrize("fields, fragment", [
-    ({"mamba_dt_rank": "bogus"}, "`mamba_dt_rank` must be a positive int or \"auto\""),
-    ({"mamba_dt_rank": 0}, "`mamba_dt_rank` must be a positive int or \"auto\""),
-    ({"inference_chunk_size": -1}, "`inference_chunk_size` must be an integer >= 0 (0 turns chunking off)"),
-    ({"hidden_act": "bogus_act"}, "`hidden_act` must name an activation of transformers' ACT2FN"),
-    ({"attention_dropout": "x"}, "`attention_dropout` must be a finite number, got 'x' (str)"),
-    ({"mamba_dt_min": 0.5, "mamba_dt_max": 0.1}, "need 0 < `mamba_dt_min` (0.5) <= `mamba_dt_max` (0.1)"),
-    ({"tie_word_embeddings": "yes"}, "`tie_word_embeddings` must be true or false (a bool)"),
-    ({"eos_token_id": "end"}, "`eos_token_id` must be an int, a list of ints or None"),
-])
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        ({"mamba_dt_rank": "bogus"}, '`mamba_dt_rank` must be a positive int or "auto"'),
+        ({"mamba_dt_rank": 0}, '`mamba_dt_rank` must be a positive int or "auto"'),
+        ({"inference_chunk_size": -1}, "`inference_chunk_size` must be an integer >= 0 (0 turns chunking off)"),
+        ({"hidden_act": "bogus_act"}, "`hidden_act` must name an activation of transformers' ACT2FN"),
+        ({"attention_dropout": "x"}, "`attention_dropout` must be a finite number, got 'x' (str)"),
+        ({"mamba_dt_min": 0.5, "mamba_dt_max": 0.1}, "need 0 < `mamba_dt_min` (0.5) <= `mamba_dt_max` (0.1)"),
+        ({"tie_word_embeddings": "yes"}, "`tie_word_embeddings` must be true or false (a bool)"),
+        ({"eos_token_id": "end"}, "`eos_token_id` must be an int, a list of ints or None"),
+    ],
+)
 def test_samba_and_sambay_configs_refuse_a_shared_field_the_same_way(fields, fragment):
     """The fields both configs have are checked by one mechanism (configuration_samba's check_field_types and
     check_shared_fields): the same value gets the same message, naming the class, the field and the fix."""

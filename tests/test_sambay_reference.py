@@ -7,17 +7,32 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from sambay_reference import (
-    attention_allowed, differential_attention, lambda_init, layer_kinds, random_weights, reference_forward,
-    reference_logits, released_shapes, selective_scan,
+    attention_allowed,
+    differential_attention,
+    lambda_init,
+    layer_kinds,
+    random_weights,
+    reference_forward,
+    reference_logits,
+    released_shapes,
+    selective_scan,
 )
 
 RELEASE_DIR = Path(__file__).resolve().parent / "data" / "sambay"  # the release's config.json and weight index
 
 TINY = dict(
-    hidden_size=32, intermediate_size=48, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-    vocab_size=64, sliding_window=4, layer_norm_eps=1e-5, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=64,
+    sliding_window=4,
+    layer_norm_eps=1e-5,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_expand=2,
 )
 
 
@@ -43,6 +58,7 @@ def _ids(B, T, seed=0):
 # ---------------------------------------------------------------------------------------------------------------
 # Layout
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_layer_kinds():
     assert layer_kinds(8) == ["mamba", "swa", "mamba", "swa", "memory_mamba", "full_attn", "gmu", "cross_attn"]
@@ -101,15 +117,16 @@ def test_every_tensor_moves_the_logits(tiny_weights):
 # Semantics
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_causality(tiny_weights):
     ids = _ids(2, 20, seed=2)
     base = reference_logits(tiny_weights, TINY, ids)
     for t in (0, 5, 13):
         changed = ids.clone()
-        changed[:, t + 1:] = (changed[:, t + 1:] + 7) % TINY["vocab_size"]
+        changed[:, t + 1 :] = (changed[:, t + 1 :] + 7) % TINY["vocab_size"]
         out = reference_logits(tiny_weights, TINY, changed)
-        assert torch.allclose(out[:, :t + 1], base[:, :t + 1], rtol=0, atol=1e-12)
-        assert (out[:, t + 1:] - base[:, t + 1:]).abs().max() > 1e-3
+        assert torch.allclose(out[:, : t + 1], base[:, : t + 1], rtol=0, atol=1e-12)
+        assert (out[:, t + 1 :] - base[:, t + 1 :]).abs().max() > 1e-3
 
 
 def test_sliding_window_edges():
@@ -117,13 +134,14 @@ def test_sliding_window_edges():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, T, n, d, generator=g, dtype=torch.float64) for n in (nh, nkv, nkv))
     allowed = attention_allowed(T, window=W)
-    o, A1, A2 = differential_attention(q, k, v, 0.4, 0.3, torch.ones(2 * d, dtype=torch.float64), allowed,
-                                       return_weights=True)
+    o, A1, A2 = differential_attention(
+        q, k, v, 0.4, 0.3, torch.ones(2 * d, dtype=torch.float64), allowed, return_weights=True
+    )
     t = 8
     for A in (A1, A2):
-        assert (A[0, :, t, t - W] == 0).all()         # W back: outside the window
-        assert (A[0, :, t, t - W + 1] > 0).all()      # W-1 back: inside
-        assert (A[0, :, t, t + 1:] == 0).all()        # future: never
+        assert (A[0, :, t, t - W] == 0).all()  # W back: outside the window
+        assert (A[0, :, t, t - W + 1] > 0).all()  # W-1 back: inside
+        assert (A[0, :, t, t + 1 :] == 0).all()  # future: never
         assert torch.allclose(A.sum(-1), torch.ones_like(A.sum(-1)), atol=1e-14)
     # Through the values: a key/value W back cannot move the output at t, one W-1 back does.
     for back, moves in ((W, False), (W - 1, True)):
@@ -141,6 +159,7 @@ def test_swa_window_in_the_model(tiny_weights):
     """Layer 1 (the first SWA layer) sees only layer 0's output; perturb that at one position and watch which
     queries of layer 1's attention move."""
     from sambay_reference import _dims, attention_mixer
+
     dims = _dims(TINY)
     W, T = TINY["sliding_window"], 12
     g = torch.Generator().manual_seed(4)
@@ -157,8 +176,19 @@ def test_swa_window_in_the_model(tiny_weights):
 
 
 def test_lambda_init_table():
-    table = {1: 0.3555, 3: 0.5561, 5: 0.6661, 7: 0.7265, 9: 0.7597, 11: 0.7779, 13: 0.7879, 15: 0.7933,
-             17: 0.7963, 19: 0.7980, 31: 0.7999}
+    table = {
+        1: 0.3555,
+        3: 0.5561,
+        5: 0.6661,
+        7: 0.7265,
+        9: 0.7597,
+        11: 0.7779,
+        13: 0.7879,
+        15: 0.7933,
+        17: 0.7963,
+        19: 0.7980,
+        31: 0.7999,
+    }
     for i, value in table.items():
         assert abs(lambda_init(i) - value) < 1e-4, i
 
@@ -175,8 +205,8 @@ def test_gqa_head_pairing():
     k = torch.zeros(1, T, nkv, d, dtype=torch.float64)
     v = c[None, None, :, None].expand(1, T, nkv, d).clone()
     o = differential_attention(q, k, v, 0.0, 0.0, one, allowed)
-    rms0 = math.sqrt((1 + 4) / 2)     # pair 0 output [1..1 | 2..2]
-    rms1 = math.sqrt((9 + 16) / 2)    # pair 1 output [-3.. | -4..]
+    rms0 = math.sqrt((1 + 4) / 2)  # pair 0 output [1..1 | 2..2]
+    rms1 = math.sqrt((9 + 16) / 2)  # pair 1 output [-3.. | -4..]
     expected_head = [1 / rms0, 2 / rms0, 1 / rms0, 2 / rms0, -3 / rms1, -4 / rms1, -3 / rms1, -4 / rms1]
     for h, value in enumerate(expected_head):
         assert torch.allclose(o[0, :, h], torch.full((T, d), value, dtype=torch.float64), atol=1e-5), h
@@ -190,9 +220,9 @@ def test_gqa_head_pairing():
     # q head 2 = first half of pair 1 -> A1[:, 1] must peak at key 0 (kv head 0); with the h//G mapping (kv head 1)
     # it would peak at key 1.
     assert A1[0, 1, 2].argmax().item() == 0 and A1[0, 1, 2, 0] > 0.99
-    assert A2[0, 1, 2].argmax().item() == 1          # q head 3 -> kv head 1
-    assert A1[0, 2, 2].argmax().item() == 2          # q head 4 -> kv head 2
-    assert A1[0, 3, 2].argmax().item() == 2          # q head 6 -> kv head 2
+    assert A2[0, 1, 2].argmax().item() == 1  # q head 3 -> kv head 1
+    assert A1[0, 2, 2].argmax().item() == 2  # q head 4 -> kv head 2
+    assert A1[0, 3, 2].argmax().item() == 2  # q head 6 -> kv head 2
 
 
 def test_selective_scan_matches_closed_form():
@@ -210,7 +240,7 @@ def test_selective_scan_matches_closed_form():
     expected = D * xc
     for t in range(T):
         for s in range(t + 1):
-            decay = torch.exp((cum[:, t] - cum[:, s])[:, :, None] * A)                       # (Bt, di, N)
+            decay = torch.exp((cum[:, t] - cum[:, s])[:, :, None] * A)  # (Bt, di, N)
             contrib = decay * (dt[:, s] * xc[:, s])[:, :, None] * B[:, s, None, :] * C[:, t, None, :]
             expected[:, t] = expected[:, t] + contrib.sum(-1)
     assert torch.allclose(y, expected, atol=1e-12)
@@ -236,8 +266,7 @@ def test_left_padding_equals_unpadded_rows(tiny_weights):
     assert torch.allclose(batch["mem"][1, pad:], alone_short["mem"][0], rtol=0, atol=1e-10)
     assert (batch["mem"][1, :pad] == 0).all()
     # An all-ones mask is the same as no mask.
-    assert torch.allclose(reference_logits(tiny_weights, TINY, long, torch.ones(1, T)), alone_long, rtol=0,
-                          atol=1e-12)
+    assert torch.allclose(reference_logits(tiny_weights, TINY, long, torch.ones(1, T)), alone_long, rtol=0, atol=1e-12)
     # Without the mask the junk does change the row (so the test above is not vacuous).
     unmasked = reference_logits(tiny_weights, TINY, ids)
     assert (unmasked[1, pad:] - alone_short["logits"][0]).abs().max() > 1e-3

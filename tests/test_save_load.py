@@ -10,20 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 from transformers import AutoModelForCausalLM
 
 import samba_hf
 from samba_hf import SambaForCausalLM
 from samba_hf.hub_samba import REMOTE_CODE_FILES, SAMBAY_REMOTE_CODE_FILES
 
-from conftest import tiny_model
-
 REMOTE_FILES = set(REMOTE_CODE_FILES)
 PACKAGE = Path(samba_hf.__file__).parent
 
 
-@pytest.mark.parametrize("modeling, files", [("modeling_samba.py", REMOTE_CODE_FILES),
-                                             ("modeling_sambay.py", SAMBAY_REMOTE_CODE_FILES)])
+@pytest.mark.parametrize(
+    "modeling, files", [("modeling_samba.py", REMOTE_CODE_FILES), ("modeling_sambay.py", SAMBAY_REMOTE_CODE_FILES)]
+)
 def test_the_remote_code_files_are_what_the_modeling_file_imports(modeling, files):
     """`hub_samba.REMOTE_CODE_FILES` (which the card, the examples and the embedded models use) is exactly what
     transformers copies into a saved folder: the modeling file and every file it imports, at any depth."""
@@ -49,8 +49,11 @@ def test_the_vllm_plugin_links_what_its_remote_code_files_import():
 
     folder = PACKAGE.parents[1] / "vllm_plugin" / "src" / "samba_hf_vllm"
     linked = {path.name for path in folder.iterdir() if path.is_symlink()}
-    assert {"configuration_samba.py", "configuration_sambay.py", "ssm_samba.py"} <= linked <= REMOTE_FILES | set(
-        SAMBAY_REMOTE_CODE_FILES)
+    assert (
+        {"configuration_samba.py", "configuration_sambay.py", "ssm_samba.py"}
+        <= linked
+        <= REMOTE_FILES | set(SAMBAY_REMOTE_CODE_FILES)
+    )
     for name in linked:
         assert (folder / name).resolve() == (PACKAGE / name).resolve(), name
         assert {Path(path).name for path in get_relative_import_files(str(folder / name))} <= linked, name
@@ -88,7 +91,10 @@ def test_remote_code_imports_only_torch_transformers_and_siblings(saved):
                 module = stripped.split()[1]
                 # torch, transformers, the standard library (the compiled scan builds with ctypes/subprocess), siblings
                 top = module.split(".")[0]
-                assert top in {"torch", "transformers"} | sys.stdlib_module_names or module.startswith("."), (name, stripped)
+                assert top in {"torch", "transformers"} | sys.stdlib_module_names or module.startswith("."), (
+                    name,
+                    stripped,
+                )
 
 
 def test_round_trip_with_the_package(saved):
@@ -165,7 +171,8 @@ def assert_loads_without_the_package(folder, class_name="SambaForCausalLM", atol
         expected = torch.load(folder + "/expected.pt")
         with torch.no_grad():
             logits = model(expected["ids"]).logits
-        assert torch.allclose(logits, expected["logits"], rtol=0, atol={atol}), (logits - expected["logits"]).abs().max()
+        assert torch.allclose(logits, expected["logits"], rtol=0, atol={atol}), (
+            (logits - expected["logits"]).abs().max())
         print("REMOTE-OK", type(model).__name__)
     """)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(folder / "modules_cache")}
@@ -223,6 +230,7 @@ def test_a_folder_saved_before_the_split_loads_without_the_package(tmp_path):
 def test_a_save_replaces_the_weights_of_an_earlier_save_in_the_same_folder(tmp_path):
     """Shards saved where one model.safetensors was (or the reverse): the reload gives the new weights. transformers'
     Llama keeps the earlier model.safetensors beside the new shards and from_pretrained loads it instead."""
+
     def weights(model):
         return [p.detach().clone() for p in model.parameters()]
 

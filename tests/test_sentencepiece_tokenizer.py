@@ -21,17 +21,28 @@ from samba_hf.conversion.checkpoint import ConversionError  # noqa: E402
 from samba_hf.conversion.sentencepiece_tokenizer import tokenizer_from_sentencepiece  # noqa: E402
 
 PROSE = [
-    "The quick brown fox jumps over the lazy dog.", "Tokenizers split text into pieces, and models read the pieces.",
-    "It was 3.14159 at 12:45, and 12345 people were there!", "Don't panic; it's only a test (of the tokenizer).",
-    "Café au lait, naïve résumé, façade, coöperate.", "Straße, Mädchen, Größe und Übermut.", "¿Dónde está el niño?",
-    "Tiếng Việt có dấu: người, được, những.", "日本語のテキストです。東京は日本の首都です。", "カタカナとひらがなと漢字を混ぜた文章。",
-    "我们喜欢自然语言处理。中文分词很有意思。", "今天天气很好，我们去公园吧！", "I love pizza 🍕 and parties 🎉, ok 👍 😀",
+    "The quick brown fox jumps over the lazy dog.",
+    "Tokenizers split text into pieces, and models read the pieces.",
+    "It was 3.14159 at 12:45, and 12345 people were there!",
+    "Don't panic; it's only a test (of the tokenizer).",
+    "Café au lait, naïve résumé, façade, coöperate.",
+    "Straße, Mädchen, Größe und Übermut.",
+    "¿Dónde está el niño?",
+    "Tiếng Việt có dấu: người, được, những.",
+    "日本語のテキストです。東京は日本の首都です。",
+    "カタカナとひらがなと漢字を混ぜた文章。",
+    "我们喜欢自然语言处理。中文分词很有意思。",
+    "今天天气很好，我们去公园吧！",
+    "I love pizza 🍕 and parties 🎉, ok 👍 😀",
     "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2024-06-01 +49 (0) 30 1234567",
 ]
 CODE = [
-    "def add(x, y):\n    return x + y\n", "class Foo(object):\n    def __init__(self):\n        self.value = 42\n",
-    "for i in range(10):\n\tif i % 2 == 0:\n\t\tprint(i)\n", "    # indented comment\n        deeper = [1, 2, 3]\n",
-    "if (a && b) {\n  return a->next;\n}\n", "x = {'key': \"value\", 'n': 3.5e-3}\n",
+    "def add(x, y):\n    return x + y\n",
+    "class Foo(object):\n    def __init__(self):\n        self.value = 42\n",
+    "for i in range(10):\n\tif i % 2 == 0:\n\t\tprint(i)\n",
+    "    # indented comment\n        deeper = [1, 2, 3]\n",
+    "if (a && b) {\n  return a->next;\n}\n",
+    "x = {'key': \"value\", 'n': 3.5e-3}\n",
 ]
 
 
@@ -49,21 +60,40 @@ CONFIGS = {
     # whitespace removed).
     "bpe_nmt_nfkc": dict(model_type="bpe", byte_fallback=True, split_digits=True),
     # The same without normalization, keeping whitespace (code-friendly), with whitespace-only pieces.
-    "bpe_identity": dict(model_type="bpe", byte_fallback=True, split_digits=True, normalization_rule_name="identity",
-                         remove_extra_whitespaces=False, allow_whitespace_only_pieces=True),
+    "bpe_identity": dict(
+        model_type="bpe",
+        byte_fallback=True,
+        split_digits=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+    ),
     "unigram_nmt_nfkc": dict(model_type="unigram", byte_fallback=True),
-    "unigram_identity": dict(model_type="unigram", byte_fallback=True, normalization_rule_name="identity",
-                             remove_extra_whitespaces=False),
+    "unigram_identity": dict(
+        model_type="unigram", byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False
+    ),
     "char_nmt_nfkc": dict(model_type="char", byte_fallback=True),
     # Plain NFKC (it deletes no character), keeping whitespace.
-    "bpe_nfkc": dict(model_type="bpe", byte_fallback=True, normalization_rule_name="nfkc", remove_extra_whitespaces=False),
+    "bpe_nfkc": dict(
+        model_type="bpe", byte_fallback=True, normalization_rule_name="nfkc", remove_extra_whitespaces=False
+    ),
     # The dummy "▁" at the end of the text, and pieces ending with it.
-    "bpe_suffix": dict(model_type="bpe", byte_fallback=True, treat_whitespace_as_suffix=True,
-                       normalization_rule_name="identity"),
+    "bpe_suffix": dict(
+        model_type="bpe", byte_fallback=True, treat_whitespace_as_suffix=True, normalization_rule_name="identity"
+    ),
     # No byte fallback (unknown characters are <unk>), no dummy prefix, user-defined and control symbols, a pad.
-    "bpe_symbols": dict(model_type="bpe", normalization_rule_name="identity", remove_extra_whitespaces=False,
-                        add_dummy_prefix=False, user_defined_symbols=["<sep>", "[MASK]"], control_symbols=["<ctl>"],
-                        unk_id=0, bos_id=1, eos_id=2, pad_id=3),
+    "bpe_symbols": dict(
+        model_type="bpe",
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        user_defined_symbols=["<sep>", "[MASK]"],
+        control_symbols=["<ctl>"],
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
+    ),
 }
 
 
@@ -83,23 +113,125 @@ def converted(request, tmp_path_factory):
 
 NEVER_SEEN = "☃ ∮ 𝕏 ⨌ Ω 🦕"  # no character of these is in the corpus: byte pieces (or <unk>)
 TEXTS = [
-    "", " ", "  ", "\n", "\n\n", "\t", "\t\t", " \n ", "  \n\n  ", "a", " a", "a ", "  leading", "trailing   ",
-    "multiple   inner    spaces", " \t mixed \n whitespace \r\n ", "line one\nline two\n\nline four", "\r\n",
-    "12345 3.14159", "x=1234567890;", "0.5 + 0.25 = 0.75", *PROSE, *CODE, "    four spaces", "\tone tab",
-    "日本語", "中文", "😀", "👨‍👩‍👧", "❤️", "e\u0301", "cafe\u0301 nai\u0308ve", unicodedata.normalize("NFD", PROSE[7]),
-    "ＡＢＣ１２３ (full width)", "ｶﾀｶﾅ ｶﾞｷﾞ ﾊﾟ", "Ａ\u0301", "ﬁ ™ ½ ① ㈱", "\u00a0nbsp\u3000ideographic space",
-    "ㄱㅏ ㅋㅋ", "\u1100\u1161\u11a8", NEVER_SEEN, "mixed 日本 and English 123 ☃!", "\x01control\x7f", "\u200bzero width",
-    "▁", "a▁b", "▁lead", "<s>", "</s>", "<unk>", "<pad>", "<0x41>", "a<s>b</s>c", "<sep>", "x<sep>y [MASK] z", "<ctl>",
-    "\ufffd", "İstanbul ß Ω", "…«»“”", "$ cat /etc/hosts | grep -v '#'",
+    "",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    "\t\t",
+    " \n ",
+    "  \n\n  ",
+    "a",
+    " a",
+    "a ",
+    "  leading",
+    "trailing   ",
+    "multiple   inner    spaces",
+    " \t mixed \n whitespace \r\n ",
+    "line one\nline two\n\nline four",
+    "\r\n",
+    "12345 3.14159",
+    "x=1234567890;",
+    "0.5 + 0.25 = 0.75",
+    *PROSE,
+    *CODE,
+    "    four spaces",
+    "\tone tab",
+    "日本語",
+    "中文",
+    "😀",
+    "👨‍👩‍👧",
+    "❤️",
+    "e\u0301",
+    "cafe\u0301 nai\u0308ve",
+    unicodedata.normalize("NFD", PROSE[7]),
+    "ＡＢＣ１２３ (full width)",
+    "ｶﾀｶﾅ ｶﾞｷﾞ ﾊﾟ",
+    "Ａ\u0301",
+    "ﬁ ™ ½ ① ㈱",
+    "\u00a0nbsp\u3000ideographic space",
+    "ㄱㅏ ㅋㅋ",
+    "\u1100\u1161\u11a8",
+    NEVER_SEEN,
+    "mixed 日本 and English 123 ☃!",
+    "\x01control\x7f",
+    "\u200bzero width",
+    "▁",
+    "a▁b",
+    "▁lead",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<pad>",
+    "<0x41>",
+    "a<s>b</s>c",
+    "<sep>",
+    "x<sep>y [MASK] z",
+    "<ctl>",
+    "\ufffd",
+    "İstanbul ß Ω",
+    "…«»“”",
+    "$ cat /etc/hosts | grep -v '#'",
 ]
 
 
 def random_texts(count: int, seed: int) -> list[str]:
     """Texts glued from pieces that can meet anywhere (combining marks only right after their letter)."""
     rng = random.Random(seed)
-    units = ["the", "fox", "Tokenizer", "x", "=", "(", ")", ":", ".", ",", "'", "\"", "0", "7", "42", "3.5", " ", " ",
-             "  ", "\n", "\n\n", "\t", "    ", "日", "本", "語", "中", "文", "の", "カ", "ｶ", "ﾞ", "😀", "🍕", "e\u0301",
-             "ñ", "ü", "ệ", "Ａ", "１", "ﬁ", "\u3000", "\u00a0", "☃", "𝕏", "▁", "<s>", "<sep>", "\r\n", "ㄱ", "ㅏ"]
+    units = [
+        "the",
+        "fox",
+        "Tokenizer",
+        "x",
+        "=",
+        "(",
+        ")",
+        ":",
+        ".",
+        ",",
+        "'",
+        '"',
+        "0",
+        "7",
+        "42",
+        "3.5",
+        " ",
+        " ",
+        "  ",
+        "\n",
+        "\n\n",
+        "\t",
+        "    ",
+        "日",
+        "本",
+        "語",
+        "中",
+        "文",
+        "の",
+        "カ",
+        "ｶ",
+        "ﾞ",
+        "😀",
+        "🍕",
+        "e\u0301",
+        "ñ",
+        "ü",
+        "ệ",
+        "Ａ",
+        "１",
+        "ﬁ",
+        "\u3000",
+        "\u00a0",
+        "☃",
+        "𝕏",
+        "▁",
+        "<s>",
+        "<sep>",
+        "\r\n",
+        "ㄱ",
+        "ㅏ",
+    ]
     return ["".join(rng.choice(units) for _ in range(rng.randint(0, 12))) for _ in range(count)]
 
 
@@ -222,12 +354,19 @@ def test_save_and_load_without_samba_hf(tmp_path):
         "    tok = AutoTokenizer.from_pretrained(folder)\n"
         "    ids = [tok(text).input_ids for text in texts]\n"
         "    out.append([ids, [tok.decode(i) for i in ids],\n"
-        "                [tok.bos_token_id, tok.eos_token_id, -1 if tok.pad_token_id is None else tok.pad_token_id]])\n"
+        "                [tok.bos_token_id, tok.eos_token_id, "
+        "-1 if tok.pad_token_id is None else tok.pad_token_id]])\n"
         "assert not any(name.startswith('samba_hf') for name in sys.modules)\n"
         "print(json.dumps(out))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], input=json.dumps([folders, texts]), capture_output=True,
-                            text=True, cwd=tmp_path, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps([folders, texts]),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == expected
 
@@ -239,8 +378,21 @@ def test_user_defined_symbols_with_dummy_prefix(tmp_path):
     path.write_bytes(train(model_type="bpe", byte_fallback=True, user_defined_symbols=["<sep>", "[MASK]", "##"]))
     sp = spm.SentencePieceProcessor(model_file=str(path))
     tok = tokenizer_from_sentencepiece(path)
-    texts = ["<sep>a", "a<sep>", "a <sep> b", "  <sep>  x  ", "<sep><sep>", "x<sep>[MASK]y", "## heading ##",
-             "a<se p>b", "<sep\n>", "[MASK] is [MASK].", "<<sep>>", "日本<sep>語", "\t<sep>\n"]
+    texts = [
+        "<sep>a",
+        "a<sep>",
+        "a <sep> b",
+        "  <sep>  x  ",
+        "<sep><sep>",
+        "x<sep>[MASK]y",
+        "## heading ##",
+        "a<se p>b",
+        "<sep\n>",
+        "[MASK] is [MASK].",
+        "<<sep>>",
+        "日本<sep>語",
+        "\t<sep>\n",
+    ]
     for text in texts + [text.replace("x", "<sep>") for text in random_texts(100, seed=5)]:
         if text.strip() in ("<sep>", "[MASK]", "##"):
             continue
@@ -259,7 +411,8 @@ def test_strict(tmp_path):
     exact.write_bytes(train(**CONFIGS["bpe_identity"]))
     tok = tokenizer_from_sentencepiece(exact, strict=True)
     assert tok("def f():\n\treturn 1").input_ids == spm.SentencePieceProcessor(model_file=str(exact)).encode_as_ids(
-        "def f():\n\treturn 1")
+        "def f():\n\treturn 1"
+    )
     for name, setting in [("bpe_nmt_nfkc", "precompiled_charsmap"), ("unigram_identity", "model_type=unigram")]:
         path = tmp_path / f"{name}.model"
         path.write_bytes(train(**CONFIGS[name]))
@@ -305,7 +458,9 @@ def test_unsupported_settings_are_refused(tmp_path):
 def test_a_truncated_model_is_not_a_sentencepiece_model(tmp_path):
     """A file cut anywhere, even between two pieces (where protobuf parses what is left), is refused as such."""
     blob = train(**CONFIGS["bpe_identity"])
-    between_pieces = edited(blob, lambda proto: (proto.ClearField("trainer_spec"), proto.ClearField("normalizer_spec")))
+    between_pieces = edited(
+        blob, lambda proto: (proto.ClearField("trainer_spec"), proto.ClearField("normalizer_spec"))
+    )
     assert blob.startswith(between_pieces[:-8])
     for cut in (b"", blob[:7], blob[: len(blob) // 3], between_pieces, blob[:-3]):
         (tmp_path / "cut.model").write_bytes(cut)

@@ -4,10 +4,9 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast, Trainer, TrainingArguments
-from tokenizers import Tokenizer, models, pre_tokenizers
-
 from conftest import tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast, Trainer, TrainingArguments
 
 VOCAB = 97
 
@@ -17,8 +16,9 @@ def tokenizer(padding_side="right"):
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   padding_side=padding_side)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side=padding_side
+    )
 
 
 def examples(n=8, seed=0):
@@ -28,9 +28,19 @@ def examples(n=8, seed=0):
 
 
 def arguments(tmp_path, **overrides):
-    base = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, learning_rate=1e-2, max_steps=4,
-                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
-                dataloader_num_workers=0)
+    base = dict(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+    )
     return TrainingArguments(**(base | overrides))
 
 
@@ -56,8 +66,14 @@ def test_gradient_accumulation_matches_one_large_batch(tmp_path):
     finals = []
     for batch_size, accumulation in ((4, 1), (2, 2)):
         model = tiny_model(seed=2)
-        args = arguments(tmp_path, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
-                         max_steps=2, learning_rate=1e-2, optim="sgd")
+        args = arguments(
+            tmp_path,
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            max_steps=2,
+            learning_rate=1e-2,
+            optim="sgd",
+        )
         Trainer(model=model, args=args, train_dataset=data, data_collator=collator).train()
         finals.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert (finals[0] - finals[1]).abs().max() <= 1e-5
@@ -67,8 +83,12 @@ def test_gradient_checkpointing_trains_the_same(tmp_path):
     data, collator = examples(8, seed=2), DataCollatorForLanguageModeling(tokenizer(), mlm=False)
     losses = []
     for checkpointing in (False, True):
-        trainer = Trainer(model=tiny_model(seed=3), args=arguments(tmp_path, activation_checkpointing=checkpointing),
-                          train_dataset=data, data_collator=collator)
+        trainer = Trainer(
+            model=tiny_model(seed=3),
+            args=arguments(tmp_path, activation_checkpointing=checkpointing),
+            train_dataset=data,
+            data_collator=collator,
+        )
         trainer.train()
         losses.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
     assert len(losses[0]) == 4 and max(abs(a - b) for a, b in zip(*losses)) <= 1e-4
@@ -76,8 +96,12 @@ def test_gradient_checkpointing_trains_the_same(tmp_path):
 
 def test_resume_from_a_checkpoint_continues_the_loss_curve_exactly(tmp_path):
     data, collator = examples(16, seed=3), DataCollatorForLanguageModeling(tokenizer(), mlm=False)
-    straight = Trainer(model=tiny_model(seed=4), args=arguments(tmp_path / "a", max_steps=6),
-                       train_dataset=data, data_collator=collator)
+    straight = Trainer(
+        model=tiny_model(seed=4),
+        args=arguments(tmp_path / "a", max_steps=6),
+        train_dataset=data,
+        data_collator=collator,
+    )
     straight.train()
     expected = [h["loss"] for h in straight.state.log_history if "loss" in h]
 
@@ -95,8 +119,12 @@ def test_resume_from_a_checkpoint_continues_the_loss_curve_exactly(tmp_path):
 
 def test_bf16_autocast_on_cpu_trains(tmp_path):
     data, collator = examples(8, seed=4), DataCollatorForLanguageModeling(tokenizer(), mlm=False)
-    trainer = Trainer(model=tiny_model(seed=5), args=arguments(tmp_path, bf16=True, max_steps=3),
-                      train_dataset=data, data_collator=collator)
+    trainer = Trainer(
+        model=tiny_model(seed=5),
+        args=arguments(tmp_path, bf16=True, max_steps=3),
+        train_dataset=data,
+        data_collator=collator,
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3 and all(0 < loss < 10 for loss in losses)
@@ -114,11 +142,25 @@ def test_trl_sft_trainer_with_a_lora_config(tmp_path):
     texts = [" ".join(f"w{int(i)}" for i in torch.randint(3, VOCAB, (12,), generator=g)) for _ in range(8)]
     model = tiny_model(seed=6)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    config = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
-                       report_to=[], use_cpu=True, save_strategy="no", max_length=32, learning_rate=1e-2,
-                       activation_checkpointing=True)  # TRL's default, under transformers' current name
-    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
-                         processing_class=tokenizer(), peft_config=lora_config(r=4))
+    config = SFTConfig(
+        output_dir=str(tmp_path / "sft"),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        max_length=32,
+        learning_rate=1e-2,
+        activation_checkpointing=True,
+    )  # TRL's default, under transformers' current name
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_dict({"text": texts}),
+        processing_class=tokenizer(),
+        peft_config=lora_config(r=4),
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 3
@@ -135,8 +177,12 @@ def test_torch_compile_trains_the_same(tmp_path):
     losses = []
     for compiled in (False, True):
         options = dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}
-        trainer = Trainer(model=tiny_model(seed=7), args=arguments(tmp_path, max_steps=2, **options),
-                          train_dataset=data, data_collator=collator)
+        trainer = Trainer(
+            model=tiny_model(seed=7),
+            args=arguments(tmp_path, max_steps=2, **options),
+            train_dataset=data,
+            data_collator=collator,
+        )
         trainer.train()
         losses.append([h["loss"] for h in trainer.state.log_history if "loss" in h])
     assert len(losses[1]) == 2 and max(abs(a - b) for a, b in zip(*losses)) <= 1e-4

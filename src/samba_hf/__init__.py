@@ -29,5 +29,14 @@ for model_type, config_class, base_class, causal_lm_class in (
     causal_lm_class.register_for_auto_class("AutoModelForCausalLM")
 del model_type, config_class, base_class, causal_lm_class
 
-__all__ = ["SambaConfig", "SambaForCausalLM", "SambaModel", "SambaPreTrainedModel", "SambaYConfig",
-           "SambaYForCausalLM", "SambaYModel", "SambaYPreTrainedModel", "__version__"]
+__all__ = [
+    "SambaConfig",
+    "SambaForCausalLM",
+    "SambaModel",
+    "SambaPreTrainedModel",
+    "SambaYConfig",
+    "SambaYForCausalLM",
+    "SambaYModel",
+    "SambaYPreTrainedModel",
+    "__version__",
+]

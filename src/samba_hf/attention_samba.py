@@ -61,7 +61,8 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ):
-    """Softmax attention with an additive 4D mask (the window is in the mask). Returns (batch, seq, heads, head_dim)."""
+    """Softmax attention with an additive 4D mask (the window is in the mask).
+    Returns (batch, seq, heads, head_dim)."""
     key = repeat_kv(key, module.num_key_value_groups)
     value = repeat_kv(value, module.num_key_value_groups)
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
@@ -96,7 +97,12 @@ class SlidingWindowFlexMask:
 
 
 def sliding_window_mask(
-    config, inputs_embeds: torch.Tensor, attention_mask, cache: Cache | None, packed: bool, output_attentions: bool,
+    config,
+    inputs_embeds: torch.Tensor,
+    attention_mask,
+    cache: Cache | None,
+    packed: bool,
+    output_attentions: bool,
     training: bool,
 ) -> SlidingWindowBlocks | SlidingWindowFlexMask | None:
     """The sliding layers' mask where samba-hf computes a long input's sliding window itself, or None where
@@ -162,7 +168,9 @@ def attention_forward(
     window, implementation = module.sliding_window, module.config._attn_implementation
     if isinstance(attention_mask, SlidingWindowBlocks) or (
         # a ready-made mask mapping with no mask or a 2D one for a long input: the window must still hold
-        window is not None and query.shape[2] > window and implementation in BLOCKWISE_IMPLEMENTATIONS
+        window is not None
+        and query.shape[2] > window
+        and implementation in BLOCKWISE_IMPLEMENTATIONS
         and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2))
     ):
         padding = attention_mask.padding if isinstance(attention_mask, SlidingWindowBlocks) else attention_mask
@@ -171,15 +179,26 @@ def attention_forward(
 
     dtype = None
     if (  # on a CPU, sdpa takes several times longer for one bfloat16 query than for one float32 query
-        query.device.type == "cpu" and query.dtype == torch.bfloat16 and query.shape[2] == 1
+        query.device.type == "cpu"
+        and query.dtype == torch.bfloat16
+        and query.shape[2] == 1
         and implementation in ("sdpa", "eager")
-        and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool))
-        and not kwargs.get("output_attentions") and not module.training
+        and (
+            attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool)
+        )
+        and not kwargs.get("output_attentions")
+        and not module.training
     ):
         dtype, query, key, value = query.dtype, query.float(), key.float(), value.float()
     with sdpa_backends(query.device, query.shape[2], key.shape[2]):
         output, weights = attention_interface(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
             sliding_window=window,  # flash-attention reads the window here, the others from the mask
             **kwargs,
         )
@@ -223,8 +242,12 @@ def sliding_window_attention_blockwise(
             mask = mask & padding_mask[:, None, None, k_lo:k_hi]
             mask = mask | ~mask.any(-1, keepdim=True)  # a padded query that sees nothing: any finite output will do
         output[:, :, start:end] = nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, k_lo:k_hi], value[:, :, k_lo:k_hi], attn_mask=mask,
-            dropout_p=dropout, scale=scaling,
+            query[:, :, start:end],
+            key[:, :, k_lo:k_hi],
+            value[:, :, k_lo:k_hi],
+            attn_mask=mask,
+            dropout_p=dropout,
+            scale=scaling,
         )
     return output.transpose(1, 2).contiguous()
 
@@ -281,8 +304,16 @@ def sliding_window_block_mask(
         return band(b, h, q_idx, kv_idx) & padded_keys[b, kv_idx]
 
     mask_mod = band if padding_mask is None else band_and_padding
-    block_mask = create_block_mask(mask_mod, None if padding_mask is None else batch, None, q_padded, kv_padded,
-                                   device=device, BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=device.type == "cuda")
+    block_mask = create_block_mask(
+        mask_mod,
+        None if padding_mask is None else batch,
+        None,
+        q_padded,
+        kv_padded,
+        device=device,
+        BLOCK_SIZE=FLEX_BLOCK_SIZE,
+        _compile=device.type == "cuda",
+    )
     return SlidingWindowFlexMask(block_mask, padding_mask, window)
 
 
@@ -299,8 +330,16 @@ def flex_attention_kernel(query: torch.Tensor, key: torch.Tensor, q_padded: int,
     global _COMPILED_FLEX_ATTENTION
     if not query.is_cuda or torch.compiler.is_compiling():
         return flex_attention
-    shape = (query.device, query.dtype, query.shape[:2], key.shape[:2], query.shape[3], q_padded, kv_padded,
-             torch.is_grad_enabled() and query.requires_grad)
+    shape = (
+        query.device,
+        query.dtype,
+        query.shape[:2],
+        key.shape[:2],
+        query.shape[3],
+        q_padded,
+        kv_padded,
+        torch.is_grad_enabled() and query.requires_grad,
+    )
     if not within_recompile_limit(_FLEX_SHAPES, shape, "flex_attention"):
         return None
     if _COMPILED_FLEX_ATTENTION is None:
@@ -326,15 +365,19 @@ def sliding_window_attention_flex(
     attend = flex_attention_kernel(query, key, q_padded, kv_padded)
     if attend is None:
         return sliding_window_attention_blockwise(module, query, key, value, mask.padding, mask.window, scaling)
-    padded = [nn.functional.pad(t, (0, 0, 0, n - t.shape[2])) for t, n in
-              ((query, q_padded), (key, kv_padded), (value, kv_padded))]
+    padded = [
+        nn.functional.pad(t, (0, 0, 0, n - t.shape[2]))
+        for t, n in ((query, q_padded), (key, kv_padded), (value, kv_padded))
+    ]
     try:
         output = attend(*padded, block_mask=mask.block_mask, scale=scaling, enable_gqa=module.num_key_value_groups > 1)
     except Exception as error:  # noqa: BLE001 - the compiler failing on a new shape must not end the forward
-        _FLEX_ATTENTION_WORKS[flex_attention_key(query.device, query.dtype, query.shape[3],
-                                                 module.num_key_value_groups)] = False
+        _FLEX_ATTENTION_WORKS[
+            flex_attention_key(query.device, query.dtype, query.shape[3], module.num_key_value_groups)
+        ] = False
         logger.warning_once(
-            f"samba-hf: flex_attention failed on {query.device} in {query.dtype} for {q_len} queries over {kv_len} keys "
+            f"samba-hf: flex_attention failed on {query.device} in {query.dtype} for {q_len} queries "
+            f"over {kv_len} keys "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); long sliding-window "
             "inputs go through the block-wise sdpa path from here on."
         )
@@ -362,8 +405,9 @@ def flex_attention_works(device: torch.device, dtype: torch.dtype, config) -> bo
         g = torch.Generator(device=device).manual_seed(0)
         past, length, window = 40, 300, 64
         q = torch.randn(2, 2 * groups, length, config.head_dim, generator=g, device=device).to(dtype)
-        k, v = (torch.randn(2, 2, past + length, config.head_dim, generator=g, device=device).to(dtype)
-                for _ in range(2))
+        k, v = (
+            torch.randn(2, 2, past + length, config.head_dim, generator=g, device=device).to(dtype) for _ in range(2)
+        )
         padding = torch.ones(2, past + length, dtype=torch.bool, device=device)
         padding[1, :100] = False  # the second row left-padded
         scale, tolerance = config.head_dim**-0.5, (1e-3 if dtype == torch.float32 else 3e-2)
@@ -375,7 +419,9 @@ def flex_attention_works(device: torch.device, dtype: torch.dtype, config) -> bo
                     # (flex_attention has no backward on a CPU, where the model never takes it: tests only)
                     leaves = [t.detach().requires_grad_(q.is_cuda) for t in (q, k, v)]
                     if attend == "flex":
-                        mask = sliding_window_block_mask(padding, 2, length, past + length, window, torch.device(device))
+                        mask = sliding_window_block_mask(
+                            padding, 2, length, past + length, window, torch.device(device)
+                        )
                         out = sliding_window_attention_flex(module, *leaves, mask, scale)
                     else:
                         out = sliding_window_attention_blockwise(module, *leaves, padding, window, scale)
@@ -385,7 +431,9 @@ def flex_attention_works(device: torch.device, dtype: torch.dtype, config) -> bo
             # relative to each tensor's size: bf16 rounds a gradient of 20 to steps of 0.125
             difference = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(*outputs))
             if not difference <= tolerance:
-                problem = f"its values or gradients differ from the block-wise path's by {difference:.3g} of their size"
+                problem = (
+                    f"its values or gradients differ from the block-wise path's by {difference:.3g} of their size"
+                )
         except Exception as error:  # noqa: BLE001 - any failure of the compiler or the kernel means: not here
             problem = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if problem is not None:

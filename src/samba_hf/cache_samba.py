@@ -110,8 +110,10 @@ class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
         at its front."""
         batch, heads, length, head_dim = self.keys.shape
         positions = self.sliding_window - 1 + window_slack(self.sliding_window)
-        self._buffer = (self.keys.new_empty(batch, heads, positions, head_dim),
-                        self.values.new_empty(batch, heads, positions, self.values.shape[-1]))
+        self._buffer = (
+            self.keys.new_empty(batch, heads, positions, head_dim),
+            self.values.new_empty(batch, heads, positions, self.values.shape[-1]),
+        )
         self._buffer[0][..., :length, :] = self.keys
         self._buffer[1][..., :length, :] = self.values
         self._start, self._end = 0, length
@@ -139,7 +141,9 @@ class SambaMambaLayer(LinearAttentionLayer):
             # a first forward while recording keeps its inputs unpadded: pad them, so that `crop` always finds the
             # window it cuts from (the positions before the first token are zeros to the conv anyway)
             short = self.conv_states[state_idx]
-            self.conv_states[state_idx] = nn.functional.pad(short, (self.conv_kernel_size[state_idx] - short.shape[-1], 0))
+            self.conv_states[state_idx] = nn.functional.pad(
+                short, (self.conv_kernel_size[state_idx] - short.shape[-1], 0)
+            )
         return window
 
     def record_states(self, states: list[torch.Tensor]):
@@ -304,14 +308,16 @@ def cache_nbytes(config, batch_size: int, seq_len: int | None, element: int) -> 
 
     def layer_bytes(kind: str) -> int:
         if kind in ("linear_attention", "mamba", "memory"):  # SambaY's Mamba layers are named by their block
-            return batch_size * (conv_channels * config.mamba_d_conv * element
-                                 + config.mamba_d_inner * config.mamba_d_state * 4)
+            return batch_size * (
+                conv_channels * config.mamba_d_conv * element + config.mamba_d_inner * config.mamba_d_state * 4
+            )
         if kind == "sliding_attention":
             return kv_per_position * (config.sliding_window - 1 + window_slack(config.sliding_window))
         if kind == "full_attention":
             if seq_len is None:
-                raise ValueError("this layout has a full-attention layer, whose cache grows with the length: pass "
-                                 "seq_len")
+                raise ValueError(
+                    "this layout has a full-attention layer, whose cache grows with the length: pass seq_len"
+                )
             return kv_per_position * seq_len
         return 0  # "mlp"; SambaY's GMU and cross-attention layers
 
@@ -336,5 +342,5 @@ def check_static_cache_room(cache: Cache, config, positions: int):
                 f"The StaticCache keeps {layer.max_cache_len} positions at layer {i} ({kind} attention), but this "
                 f"generate needs {needed}: it writes {positions} (the prompt and max_new_tokens, less the last "
                 f"token, which is never fed back){window}. Build it with `StaticCache(config=model.config, "
-                f"max_cache_len={positions})` or more, or pass `cache_implementation=\"static\"`, which sizes it."
+                f'max_cache_len={positions})` or more, or pass `cache_implementation="static"`, which sizes it.'
             )

@@ -24,8 +24,10 @@ class UserError(Exception):
 logging.disable_progress_bar()  # the commands print their own progress
 
 # What `--compile` says before it compiles (the times docs/cli.md measured)
-COMPILE_TIME_NOTE = ("about a minute on a 2-core CPU for the embedded model the first time, ~15 s once inductor's "
-                     "cache holds it; longer for deeper models")
+COMPILE_TIME_NOTE = (
+    "about a minute on a 2-core CPU for the embedded model the first time, ~15 s once inductor's "
+    "cache holds it; longer for deeper models"
+)
 
 DEFAULT_MODEL_NOTE = (
     "embedded default model: a 5.9M-parameter Samba trained for 18 minutes on a CPU on Python's documentation "
@@ -61,7 +63,9 @@ def resolve_device(name: str):
         if not torch.cuda.is_available():
             raise UserError(f"device {name!r} is not available here (no CUDA GPU visible to torch); use --device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+            raise UserError(
+                f"device {name!r} does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)"
+            )
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise UserError(f"device {name!r} is not available here; use --device cpu")
     elif device.type not in ("cpu", "cuda", "mps"):
@@ -127,20 +131,37 @@ def cpu_native_bfloat16() -> str | None:
     return None
 
 
-def load(model_arg: str | None, tokenizer_arg: str | None, device, dtype, any_model: bool = False,
-         default: str = "default", flag: str = "--model"):
+def load(
+    model_arg: str | None,
+    tokenizer_arg: str | None,
+    device,
+    dtype,
+    any_model: bool = False,
+    default: str = "default",
+    flag: str = "--model",
+):
     """(tokenizer, model) for generate / eval: a local folder is checked in full first (`samba_hf.model_folder`).
     `any_model`: any causal LM transformers loads (eval), not only Samba / SambaY (generate). `flag`: the option that
     named the folder, for the errors."""
-    from .model_folder import (ModelFolderError, check_generation_config, check_tokenizer, load_model, model_classes,
-                               read_config, tokenizer_for)
+    from .model_folder import (
+        ModelFolderError,
+        check_generation_config,
+        check_tokenizer,
+        load_model,
+        model_classes,
+        read_config,
+        tokenizer_for,
+    )
 
     path = model_arg or default_model_path(default)
     local = os.path.isdir(path)
     if not local and (not _looks_like_hub_name(path) or os.path.exists(path)):
         # a path (not an "org/name" Hub id) that is not a folder
-        raise UserError(f"no such model folder: {path!r}" if not os.path.exists(path) else
-                        f"{path!r} is a file; {flag} takes a model folder (config.json, weights, tokenizer)")
+        raise UserError(
+            f"no such model folder: {path!r}"
+            if not os.path.exists(path)
+            else f"{path!r} is a file; {flag} takes a model folder (config.json, weights, tokenizer)"
+        )
     samba_folder = local and (not any_model or _folder_model_type(path) in model_classes())
     try:
         config = read_config(path) if samba_folder else None  # what is wrong with config.json is said first
@@ -193,8 +214,10 @@ def _load_other(path: str, dtype):
     missing = info.get("missing_keys") or []
     if missing:
         shown = ", ".join(sorted(missing)[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise ModelFolderError(f"the weights in {path} lack {shown}: the files are incomplete or belong to another "
-                               "model; nothing was run with made-up weights")
+        raise ModelFolderError(
+            f"the weights in {path} lack {shown}: the files are incomplete or belong to another "
+            "model; nothing was run with made-up weights"
+        )
     check_finite(model, path)
     return model
 
@@ -272,8 +295,11 @@ def generate(args) -> int:
         options["assistant_model"] = load_assistant(args.assistant, tokenizer, device, dtype)
     compiled = args.compile
     if compiled and (missing := compiler_missing(device)):
-        print(f"samba-hf: --compile: torch.compile finds no working C++ compiler here ({missing}); decoding without "
-              "compiling, the same text at eager speed (install g++, or set CXX to a C++ compiler)", file=sys.stderr)
+        print(
+            f"samba-hf: --compile: torch.compile finds no working C++ compiler here ({missing}); decoding without "
+            "compiling, the same text at eager speed (install g++, or set CXX to a C++ compiler)",
+            file=sys.stderr,
+        )
         compiled = False
     if compiled:
         from transformers import CompileConfig
@@ -281,13 +307,19 @@ def generate(args) -> int:
         compile_config = CompileConfig(fullgraph=True)
         compile_config._compile_all_devices = True  # generate compiles only on accelerators unless told
         options.update(cache_implementation="static", compile_config=compile_config)
-        print(f"samba-hf: --compile: compiling the decoding step after the first token ({COMPILE_TIME_NOTE}); the "
-              "summary gives the time it took", file=sys.stderr)
+        print(
+            f"samba-hf: --compile: compiling the decoding step after the first token ({COMPILE_TIME_NOTE}); the "
+            "summary gives the time it took",
+            file=sys.stderr,
+        )
         if dtype != torch.float32:  # measured in docs/cli.md
             name = str(dtype).removeprefix("torch.")
-            print(f"samba-hf: --compile in {name}: the static cache and the compiled step round {name} differently "
-                  "from the uncompiled run, so the text can part from it after some tokens; --dtype float32 gives the "
-                  "same text", file=sys.stderr)
+            print(
+                f"samba-hf: --compile in {name}: the static cache and the compiled step round {name} differently "
+                "from the uncompiled run, so the text can part from it after some tokens; --dtype float32 gives the "
+                "same text",
+                file=sys.stderr,
+            )
 
     if not args.chat:  # a continuation follows its prompt; a chat reply stands alone
         sys.stdout.write(args.prompt)
@@ -303,8 +335,10 @@ def generate(args) -> int:
         # compiling: each step's time beyond the median (the first step, and the recompile when the window fills)
         steps = [b - a for a, b in zip(streamer.times[1:], streamer.times[2:])]
         step = statistics.median(steps[1:])
-        rate = (f"{1 / step:.1f} tokens/s per step (median) after compiling, which took "
-                f"{sum(steps) - step * len(steps):.0f} s")
+        rate = (
+            f"{1 / step:.1f} tokens/s per step (median) after compiling, which took "
+            f"{sum(steps) - step * len(steps):.0f} s"
+        )
     print(
         f"samba-hf: {new_tokens} new tokens from a {input_ids.shape[1]}-token prompt in {elapsed:.2f} s "
         f"({rate}, {device.type}, {str(dtype).removeprefix('torch.')})",
@@ -351,7 +385,8 @@ def chat_prompt(tokenizer, model, prompt: str, system: str | None) -> tuple[str,
             "continue the prompt as plain text, or pass a --tokenizer with a chat template"
         )
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
-        {"role": "user", "content": prompt}]
+        {"role": "user", "content": prompt}
+    ]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         end = end_of_turn_id(tokenizer)
@@ -369,9 +404,18 @@ def convert(args) -> int:
 
     try:
         result = run_conversion(
-            args.source, args.src, args.out, config=args.config, tokenizer=args.tokenizer, dtype=args.dtype,
-            max_shard_size=args.max_shard_size, verify_parity=args.verify, push_to_hub=args.push_to_hub,
-            force=args.force, force_config=args.force_config, command=command_line(args.argv),
+            args.source,
+            args.src,
+            args.out,
+            config=args.config,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            verify_parity=args.verify,
+            push_to_hub=args.push_to_hub,
+            force=args.force,
+            force_config=args.force_config,
+            command=command_line(args.argv),
         )
     except ConversionError as error:
         raise UserError(str(error))
@@ -379,8 +423,10 @@ def convert(args) -> int:
         print(f"samba-hf: {line}", file=sys.stderr)
     print(f"samba-hf: wrote {result['out']} (config: {result['config_origin']})", file=sys.stderr)
     if result["tokenizer"] is None:
-        print("samba-hf: no tokenizer written (the source has none beside it); pass --tokenizer to add one",
-              file=sys.stderr)
+        print(
+            "samba-hf: no tokenizer written (the source has none beside it); pass --tokenizer to add one",
+            file=sys.stderr,
+        )
     print(f"samba-hf: parity: {result['parity'] or 'not verified (pass --verify)'}", file=sys.stderr)
     if args.push_to_hub:
         print(f"samba-hf: pushed to https://huggingface.co/{args.push_to_hub}", file=sys.stderr)
@@ -399,12 +445,16 @@ def export(args) -> int:
         print(f"samba-hf: {line}", file=sys.stderr)
     if args.target == "megatron":
         tracker = f"; wrote {result['tracker']}" if result["tracker"] else ""
-        print(f"samba-hf: wrote {result['out']} (Megatron-LM's released Mamba layout, bfloat16{tracker})",
-              file=sys.stderr)
+        print(
+            f"samba-hf: wrote {result['out']} (Megatron-LM's released Mamba layout, bfloat16{tracker})",
+            file=sys.stderr,
+        )
         return 0
     name = result["official_name"]
     hint = f"--model_name {name}" if name else "a lit_gpt Config with the sizes in the source config.json"
-    print(f"samba-hf: wrote {result['out']} (official layout; load it in microsoft/Samba with {hint})", file=sys.stderr)
+    print(
+        f"samba-hf: wrote {result['out']} (official layout; load it in microsoft/Samba with {hint})", file=sys.stderr
+    )
     return 0
 
 
@@ -440,16 +490,18 @@ def evaluate(args) -> int:
         _say_the_work(args)
     progress = dict(progress=True, say=_say, progress_after=evaluation.PROGRESS_AFTER_S)
     if args.task == "passkey":
-        result = evaluation.passkey_eval(model, tokenizer, args.lengths, args.depths, args.trials, args.seed,
-                                         prefill_chunk_size=chunk, **progress)
+        result = evaluation.passkey_eval(
+            model, tokenizer, args.lengths, args.depths, args.trials, args.seed, prefill_chunk_size=chunk, **progress
+        )
         print(f"passkey accuracy of {name} ({args.trials} trials per cell); rows: depth, columns: length")
         print("depth  " + "".join(f"{n:>8}" for n in args.lengths))
         for depth in args.depths:
             cells = {c["length"]: c["accuracy"] for c in result["cells"] if c["depth"] == depth}
             print(f"{depth:<7.2f}" + "".join(f"{cells[n]:>8.0%}" for n in args.lengths))
     elif args.task == "phonebook":
-        result = evaluation.phonebook_eval(model, tokenizer, args.lengths, args.trials, args.seed,
-                                           prefill_chunk_size=chunk, **progress)
+        result = evaluation.phonebook_eval(
+            model, tokenizer, args.lengths, args.trials, args.seed, prefill_chunk_size=chunk, **progress
+        )
         print(f"phonebook accuracy of {name} ({args.trials} trials per length)")
         for row in result["rows"]:
             print(f"{row['length']:>8} tokens  {row['accuracy']:>5.0%}")
@@ -459,8 +511,10 @@ def evaluate(args) -> int:
         ids = _perplexity_ids(args, tokenizer)
         _note_positions(model, ids.numel())
         result = evaluation.perplexity_by_position(model, ids, args.bucket, chunk, progress=True)
-        print(f"perplexity of {name} on {args.text or 'Python documentation topics'} ({ids.numel():,} tokens) by "
-              "position")
+        print(
+            f"perplexity of {name} on {args.text or 'Python documentation topics'} ({ids.numel():,} tokens) by "
+            "position"
+        )
         for bucket in result["buckets"]:
             print(f"{bucket['start']:>8} - {bucket['end']:<8} {bucket['perplexity']:>10.2f}")
     result.update(model=name, command="samba-hf " + " ".join(args.argv))
@@ -478,24 +532,34 @@ def _say(line: str) -> None:
 
 def _say_the_work(args) -> None:
     """What `eval passkey` / `eval phonebook` is about to run, before it runs: the prompts, the longest, the tokens."""
+
     def count(n: int, thing: str) -> str:
         return f"{n:,} {thing}{'s' if n != 1 else ''}"
 
     depths = len(args.depths) if args.task == "passkey" else 1
-    shape = " x ".join([count(len(args.lengths), "length")] + [count(depths, "depth")] * (args.task == "passkey")
-                       + [count(args.trials, "trial")])
-    print(f"samba-hf: {args.task}: {count(len(args.lengths) * depths * args.trials, 'prompt')} ({shape}), the "
-          f"longest {max(args.lengths):,} tokens, up to {sum(args.lengths) * depths * args.trials:,} tokens in all",
-          file=sys.stderr)
+    shape = " x ".join(
+        [count(len(args.lengths), "length")]
+        + [count(depths, "depth")] * (args.task == "passkey")
+        + [count(args.trials, "trial")]
+    )
+    print(
+        f"samba-hf: {args.task}: {count(len(args.lengths) * depths * args.trials, 'prompt')} ({shape}), the "
+        f"longest {max(args.lengths):,} tokens, up to {sum(args.lengths) * depths * args.trials:,} tokens in all",
+        file=sys.stderr,
+    )
 
 
 def _untaught_phonebook(model_arg: str | None) -> str:
     """What a score of 0% at every length says about the model."""
     if model_arg is None:
-        return ("0% at every length, as expected: the embedded default model was never trained for phonebook lookup "
-                "(it writes documentation-flavoured English); pass --model to evaluate a model that was")
-    return ("0% at every length: the model found no number at all, as one never trained for phonebook lookup does "
-            "(guessing a 10-digit number right has no chance to speak of)")
+        return (
+            "0% at every length, as expected: the embedded default model was never trained for phonebook lookup "
+            "(it writes documentation-flavoured English); pass --model to evaluate a model that was"
+        )
+    return (
+        "0% at every length: the model found no number at all, as one never trained for phonebook lookup does "
+        "(guessing a 10-digit number right has no chance to speak of)"
+    )
 
 
 def _eval_outputs(args) -> tuple | None:
@@ -503,7 +567,9 @@ def _eval_outputs(args) -> tuple | None:
     if args.out is None:
         return None
     if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise UserError(f"--out {args.out!r} is a file; give a folder to write {args.task}.json and {args.task}.png in")
+        raise UserError(
+            f"--out {args.out!r} is a file; give a folder to write {args.task}.json and {args.task}.png in"
+        )
     paths = tuple(os.path.join(args.out, f"{args.task}.{ext}") for ext in ("json", "png"))
     taken = [p for p in paths if os.path.exists(p)]
     if taken and not args.force:
@@ -521,9 +587,11 @@ def _write_results(result: dict, args, paths) -> None:
     json_path, png_path = paths
     _atomic_write(json_path, lambda tmp: open(tmp, "w").write(json.dumps(result, indent=1) + "\n"))
     written = [json_path]
-    plot = {"passkey": lambda p: evaluation.plot_passkey(result, p, f"passkey: {result['model']}"),
-            "phonebook": lambda p: evaluation.plot_phonebook({result["model"]: result}, p),
-            "perplexity": lambda p: evaluation.plot_perplexity({result["model"]: result}, p)}[args.task]
+    plot = {
+        "passkey": lambda p: evaluation.plot_passkey(result, p, f"passkey: {result['model']}"),
+        "phonebook": lambda p: evaluation.plot_phonebook({result["model"]: result}, p),
+        "perplexity": lambda p: evaluation.plot_perplexity({result["model"]: result}, p),
+    }[args.task]
     try:
         _atomic_write(png_path, plot)
         written.append(png_path)
@@ -550,13 +618,17 @@ def _perplexity_ids(args, tokenizer):
         text = default_text()
     else:
         if not os.path.isfile(args.text):
-            raise UserError(f"--text {args.text!r}: no such file" if not os.path.exists(args.text) else
-                            f"--text {args.text!r} is not a file; give a UTF-8 text file")
+            raise UserError(
+                f"--text {args.text!r}: no such file"
+                if not os.path.exists(args.text)
+                else f"--text {args.text!r} is not a file; give a UTF-8 text file"
+            )
         try:
             text = open(args.text, encoding="utf-8").read()
         except UnicodeDecodeError as error:
-            raise UserError(f"--text {args.text!r} is not UTF-8 text ({error.reason} at byte {error.start}); "
-                            "convert it to UTF-8")
+            raise UserError(
+                f"--text {args.text!r} is not UTF-8 text ({error.reason} at byte {error.start}); convert it to UTF-8"
+            )
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
     if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
@@ -569,8 +641,11 @@ def _note_positions(model, length: int) -> None:
     """Full attention past its trained positions is measured as asked, but said."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and length > limit and "samba" not in str(getattr(model.config, "model_type", "")):
-        print(f"samba-hf: note: {length} tokens is past this model's max_position_embeddings ({limit}); measured "
-              "there as asked", file=sys.stderr)
+        print(
+            f"samba-hf: note: {length} tokens is past this model's max_position_embeddings ({limit}); measured "
+            "there as asked",
+            file=sys.stderr,
+        )
 
 
 COMMANDS = {"generate": generate, "convert": convert, "export": export, "eval": evaluate}

@@ -36,23 +36,55 @@ PATTERN_LETTERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "
 
 # The type each scalar field must have (checked first, so a string from a hand-edited config.json or a float where a
 # size is needed fails with the field's name instead of a TypeError further on). A bool is no int; an int is a float.
-INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "mamba_d_state", "mamba_d_conv",
-              "mamba_expand", "inference_chunk_size", "mamba_version", "mamba2_head_dim", "mamba2_n_groups",
-              "mamba2_chunk_size")
-OPTIONAL_INT_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "sliding_window", "pad_token_id",
-                       "bos_token_id", "max_position_embeddings")
+INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "mamba_d_state",
+    "mamba_d_conv",
+    "mamba_expand",
+    "inference_chunk_size",
+    "mamba_version",
+    "mamba2_head_dim",
+    "mamba2_n_groups",
+    "mamba2_chunk_size",
+)
+OPTIONAL_INT_FIELDS = (
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "head_dim",
+    "sliding_window",
+    "pad_token_id",
+    "bos_token_id",
+    "max_position_embeddings",
+)
 
-# `num_hidden_layers` when neither it nor `hybrid_override_pattern` is given (the default stays None in the field, so an
-# explicit value can be told from it).
+# `num_hidden_layers` when neither it nor `hybrid_override_pattern` is given (the default stays None in the field, so
+# an explicit value can be told from it).
 DEFAULT_NUM_HIDDEN_LAYERS = 12
 
 # `max_position_embeddings` of a layout without full-attention layers, whose length nothing limits: large enough
 # that generate does not warn and evaluation tools (lm-eval reads this field) do not cut inputs short.
 UNLIMITED_POSITIONS = 2**20
-FLOAT_FIELDS = ("initializer_range", "rms_norm_eps", "attention_dropout", "mamba_dt_min", "mamba_dt_max",
-                "mamba_dt_init_floor", "mamba_dt_scale")
-BOOL_FIELDS = ("use_cache", "tie_word_embeddings", "use_rope", "attention_bias", "mamba_conv_bias", "mamba_proj_bias",
-               "mlp_gated")
+FLOAT_FIELDS = (
+    "initializer_range",
+    "rms_norm_eps",
+    "attention_dropout",
+    "mamba_dt_min",
+    "mamba_dt_max",
+    "mamba_dt_init_floor",
+    "mamba_dt_scale",
+)
+BOOL_FIELDS = (
+    "use_cache",
+    "tie_word_embeddings",
+    "use_rope",
+    "attention_bias",
+    "mamba_conv_bias",
+    "mamba_proj_bias",
+    "mlp_gated",
+)
 
 
 def is_int(value) -> bool:
@@ -92,6 +124,7 @@ def check_field_types(config, fields: dict[str, tuple[str, ...]]):
 def check_shared_fields(config):
     """The fields Samba and SambaY share (their Mamba, activation, decoding and dropout settings), checked the same
     way for both, after `check_field_types`."""
+
     def refuse(message):
         raise ValueError(f"{type(config).__name__}: {message}")
 
@@ -100,62 +133,117 @@ def check_shared_fields(config):
         refuse(f"`eos_token_id` must be an int, a list of ints or None, got {eos!r}.")
     rank = config.mamba_dt_rank
     if not ((is_int(rank) and rank >= 1) or rank == "auto"):
-        refuse(f"`mamba_dt_rank` must be a positive int or \"auto\" (ceil(hidden_size / 16)), got {rank!r}.")
+        refuse(f'`mamba_dt_rank` must be a positive int or "auto" (ceil(hidden_size / 16)), got {rank!r}.')
     if not isinstance(config.hidden_act, str) or config.hidden_act not in ACT2FN:
-        refuse(f"`hidden_act` must name an activation of transformers' ACT2FN, such as \"silu\" (Samba's) or "
-               f"\"gelu\", got {config.hidden_act!r}; known: {sorted(ACT2FN)}.")
+        refuse(
+            f"`hidden_act` must name an activation of transformers' ACT2FN, such as \"silu\" (Samba's) or "
+            f'"gelu", got {config.hidden_act!r}; known: {sorted(ACT2FN)}.'
+        )
     if config.inference_chunk_size < 0:
-        refuse(f"`inference_chunk_size` must be an integer >= 0 (0 turns chunking off), got "
-               f"{config.inference_chunk_size!r}.")
+        refuse(
+            f"`inference_chunk_size` must be an integer >= 0 (0 turns chunking off), got "
+            f"{config.inference_chunk_size!r}."
+        )
     if not 0 < config.mamba_dt_min <= config.mamba_dt_max:
-        refuse(f"need 0 < `mamba_dt_min` ({config.mamba_dt_min}) <= `mamba_dt_max` ({config.mamba_dt_max}): the "
-               "range the Mamba step sizes are initialised in.")
+        refuse(
+            f"need 0 < `mamba_dt_min` ({config.mamba_dt_min}) <= `mamba_dt_max` ({config.mamba_dt_max}): the "
+            "range the Mamba step sizes are initialised in."
+        )
     if not 0 <= config.attention_dropout < 1:
         refuse(f"`attention_dropout` must be in [0, 1) (0.0 turns it off), got {config.attention_dropout}.")
     if config.initializer_range < 0:
-        refuse(f"`initializer_range` is a standard deviation: it must be >= 0 (default 0.02), got "
-               f"{config.initializer_range}.")
+        refuse(
+            f"`initializer_range` is a standard deviation: it must be >= 0 (default 0.02), got "
+            f"{config.initializer_range}."
+        )
 
-# What NVIDIA's two 8B Mamba-2 models share (their Megatron `args`: hidden 4096, 32 heads in 8 query groups of kv_channels
-# 128, ffn 16384, RMSNorm eps 1e-5, position_embedding_type "none", untied output layer, padded vocabulary 256000).
+
+# What NVIDIA's two 8B Mamba-2 models share (their Megatron `args`: hidden 4096, 32 heads in 8 query groups of
+# kv_channels 128, ffn 16384, RMSNorm eps 1e-5, position_embedding_type "none", untied output layer, padded vocabulary
+# 256000).
 MEGATRON_8B = dict(
-    vocab_size=256000, hidden_size=4096, intermediate_size=16384, num_hidden_layers=56, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, use_rope=False, sliding_window=None, tie_word_embeddings=False,
-    max_position_embeddings=4096, mamba_version=2, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2,
-    mamba2_head_dim=64, mamba2_n_groups=8, mamba2_chunk_size=128, mlp_gated=False, mlp_hidden_act="gelu",
-    bos_token_id=None, eos_token_id=None,
+    vocab_size=256000,
+    hidden_size=4096,
+    intermediate_size=16384,
+    num_hidden_layers=56,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    use_rope=False,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+    mamba_version=2,
+    mamba_d_state=128,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba2_head_dim=64,
+    mamba2_n_groups=8,
+    mamba2_chunk_size=128,
+    mlp_gated=False,
+    mlp_hidden_act="gelu",
+    bos_token_id=None,
+    eos_token_id=None,
 )
 
 # Exact shapes of the official checkpoints (microsoft/Samba lit_gpt/config.py: Samba_421M, Samba_1.3B) and of the
 # larger models of the paper (Table 12, which counts a mixer and an MLP as two "layers": 1.7B = 24 of our layers).
 PRESETS = {
     "samba-421m": dict(
-        vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
-        num_attention_heads=12, num_key_value_heads=12, head_dim=128,
+        vocab_size=32000,
+        hidden_size=1536,
+        intermediate_size=4096,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        head_dim=128,
     ),
     "samba-1.3b": dict(
-        vocab_size=32000, hidden_size=2304, intermediate_size=6144, num_hidden_layers=18,
-        num_attention_heads=18, num_key_value_heads=18, head_dim=128,
+        vocab_size=32000,
+        hidden_size=2304,
+        intermediate_size=6144,
+        num_hidden_layers=18,
+        num_attention_heads=18,
+        num_key_value_heads=18,
+        head_dim=128,
     ),
     "samba-1.7b": dict(
-        vocab_size=50304, hidden_size=2048, intermediate_size=8196, num_hidden_layers=24,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=64,
+        vocab_size=50304,
+        hidden_size=2048,
+        intermediate_size=8196,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=64,
     ),
     "samba-3.8b": dict(
-        vocab_size=32064, hidden_size=2816, intermediate_size=9984, num_hidden_layers=32,
-        num_attention_heads=11, num_key_value_heads=1, head_dim=256,
+        vocab_size=32064,
+        hidden_size=2816,
+        intermediate_size=9984,
+        num_hidden_layers=32,
+        num_attention_heads=11,
+        num_key_value_heads=1,
+        head_dim=256,
     ),
     # NVIDIA's releases with "An Empirical Study of Mamba-based Language Models" (Waleffe et al., 2024), as
-    # Megatron-LM builds them (examples/mamba; Mamba geometry: Megatron's 2024 defaults, see `samba-hf convert megatron`):
-    # 56 blocks of one sub-layer each, Mamba-2 mixers, attention without position embedding, exact-GELU MLPs.
+    # Megatron-LM builds them (examples/mamba; Mamba geometry: Megatron's 2024 defaults, see
+    # `samba-hf convert megatron`): 56 blocks of one sub-layer each, Mamba-2 mixers, attention without position
+    # embedding, exact-GELU MLPs.
     "mamba2-hybrid-8b": dict(
-        MEGATRON_8B, hybrid_override_pattern="M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-",
+        MEGATRON_8B,
+        hybrid_override_pattern="M-M-M--M-M*-M-M-M-M--M*-M-M-M-M-M*--M-M-M-M-M*-M--M-M-M-",
     ),
     "mamba2-8b": dict(MEGATRON_8B, hybrid_override_pattern="M" * 56, intermediate_size=0),
     # A few hundred thousand parameters: for tests and demos, not for quality.
     "tiny": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=64,
     ),
 }
 
@@ -172,10 +260,11 @@ class SambaConfig(PreTrainedConfig):
             default) means the length of `hybrid_override_pattern` when one is given, else 12.
         num_attention_heads (`int`, defaults to 12): query heads of the attention layers.
         num_key_value_heads (`int`, defaults to 12): key/value heads (GQA when fewer than the query heads).
-        head_dim (`int`, *optional*, defaults to 128): size of one head; `None` means `hidden_size // num_attention_heads`.
+        head_dim (`int`, *optional*, defaults to 128): size of one head; `None` means
+            `hidden_size // num_attention_heads`.
         hidden_act (`str`, defaults to `"silu"`): activation of the MLP gate and of the Mamba mixer.
-        mlp_hidden_act (`str`, *optional*): activation of the MLP when it differs from `hidden_act` (the Mamba-2-Hybrid's
-            is `"gelu"`, the exact erf GELU).
+        mlp_hidden_act (`str`, *optional*): activation of the MLP when it differs from `hidden_act` (the
+            Mamba-2-Hybrid's is `"gelu"`, the exact erf GELU).
         mlp_gated (`bool`, defaults to `True`): SwiGLU-style `down(act(gate(x)) * up(x))`; `False` is the plain
             `down(act(up(x)))` of Megatron's MLP.
         max_position_embeddings (`int`, *optional*): the longest input the model takes. `None` (the default) means
@@ -198,8 +287,8 @@ class SambaConfig(PreTrainedConfig):
         layer_types (`list[str]`, *optional*): one of `"linear_attention"` (Mamba), `"sliding_attention"`,
             `"full_attention"`, `"mlp"` (an MLP alone) per layer. Default: Mamba on even layers, sliding attention on
             odd layers. With `"mlp"` layers, mixer layers carry no MLP (Megatron's one-sub-layer blocks).
-        hybrid_override_pattern (`str`, *optional*, input only): Megatron-LM's pattern, one letter per layer: "M" Mamba,
-            "*" full attention, "-" MLP ("S", sliding attention, is samba-hf's); sets `layer_types` and
+        hybrid_override_pattern (`str`, *optional*, input only): Megatron-LM's pattern, one letter per layer: "M"
+            Mamba, "*" full attention, "-" MLP ("S", sliding attention, is samba-hf's); sets `layer_types` and
             `num_hidden_layers` (a `num_hidden_layers` given with it must equal its length). Not stored:
             `config.hybrid_pattern` gives it back.
         mamba_version (`int`, defaults to 1): 1 for Mamba (selective scan, per-channel A), 2 for Mamba-2 (SSD: one A
@@ -337,30 +426,46 @@ class SambaConfig(PreTrainedConfig):
 
     def _apply_pattern(self, pattern):
         if not isinstance(pattern, str) or not pattern or set(pattern) - set(PATTERN_LETTERS):
-            fail(f"`hybrid_override_pattern` must be a non-empty string of the letters {''.join(PATTERN_LETTERS)} "
-                 f"(\"M\" Mamba, \"*\" attention, \"-\" MLP, \"S\" sliding attention), got {pattern!r}.")
+            fail(
+                f"`hybrid_override_pattern` must be a non-empty string of the letters {''.join(PATTERN_LETTERS)} "
+                f'("M" Mamba, "*" attention, "-" MLP, "S" sliding attention), got {pattern!r}.'
+            )
         layer_types = [PATTERN_LETTERS[letter] for letter in pattern]
         if self.layer_types is not None and list(self.layer_types) != layer_types:
             fail(f"`hybrid_override_pattern` {pattern!r} and `layer_types` {self.layer_types} disagree; give one.")
         if self.num_hidden_layers not in (None, len(layer_types)):
-            fail(f"`hybrid_override_pattern` {pattern!r} has {len(layer_types)} layers but `num_hidden_layers` is "
-                 f"{self.num_hidden_layers}: the pattern gives the layer count, so leave `num_hidden_layers` out (or "
-                 "make them agree).")
+            fail(
+                f"`hybrid_override_pattern` {pattern!r} has {len(layer_types)} layers but `num_hidden_layers` is "
+                f"{self.num_hidden_layers}: the pattern gives the layer count, so leave `num_hidden_layers` out (or "
+                "make them agree)."
+            )
         self.layer_types, self.num_hidden_layers = layer_types, len(layer_types)
 
     def _check_field_types(self):
         """Raise a ValueError that names the field for a value of the wrong type, before anything compares,
         divides or looks it up."""
-        check_field_types(self, {"an int": INT_FIELDS, "an int or None": OPTIONAL_INT_FIELDS,
-                                 "a finite number": FLOAT_FIELDS, "true or false (a bool)": BOOL_FIELDS})
+        check_field_types(
+            self,
+            {
+                "an int": INT_FIELDS,
+                "an int or None": OPTIONAL_INT_FIELDS,
+                "a finite number": FLOAT_FIELDS,
+                "true or false (a bool)": BOOL_FIELDS,
+            },
+        )
         check_shared_fields(self)
-        if self.mlp_hidden_act is not None and (not isinstance(self.mlp_hidden_act, str)
-                                                or self.mlp_hidden_act not in ACT2FN):
-            fail(f"`mlp_hidden_act` must name an activation of transformers' ACT2FN, such as \"gelu\", or be None (the "
-                 f"MLP then uses `hidden_act`), got {self.mlp_hidden_act!r}; known: {sorted(ACT2FN)}.")
+        if self.mlp_hidden_act is not None and (
+            not isinstance(self.mlp_hidden_act, str) or self.mlp_hidden_act not in ACT2FN
+        ):
+            fail(
+                f'`mlp_hidden_act` must name an activation of transformers\' ACT2FN, such as "gelu", or be None (the '
+                f"MLP then uses `hidden_act`), got {self.mlp_hidden_act!r}; known: {sorted(ACT2FN)}."
+            )
         if self.rope_parameters is not None and not isinstance(self.rope_parameters, dict):
-            fail(f"`rope_parameters` must be a dict such as {{\"rope_type\": \"default\", \"rope_theta\": 10000.0}} "
-                 f"or None, got {self.rope_parameters!r}.")
+            fail(
+                f'`rope_parameters` must be a dict such as {{"rope_type": "default", "rope_theta": 10000.0}} '
+                f"or None, got {self.rope_parameters!r}."
+            )
         if self.layer_types is not None and not (
             isinstance(self.layer_types, (list, tuple)) and all(isinstance(t, str) for t in self.layer_types)
         ):
@@ -368,9 +473,19 @@ class SambaConfig(PreTrainedConfig):
 
     def _check_samba_fields(self):
         """Raise a ValueError that names the field and the fix for every combination the model cannot build."""
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings", "mamba_d_state",
-                     "mamba_d_conv", "mamba_expand", "mamba_dt_rank", "mamba2_head_dim", "mamba2_n_groups",
-                     "mamba2_chunk_size"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "max_position_embeddings",
+            "mamba_d_state",
+            "mamba_d_conv",
+            "mamba_expand",
+            "mamba_dt_rank",
+            "mamba2_head_dim",
+            "mamba2_n_groups",
+            "mamba2_chunk_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 fail(f"`{name}` must be a positive integer, got {value!r}.")
@@ -389,8 +504,10 @@ class SambaConfig(PreTrainedConfig):
         if unknown:
             fail(f"`layer_types` contains {unknown}; each entry must be one of {list(LAYER_TYPES)}.")
         if "mlp" in self.layer_types and self.intermediate_size == 0:
-            fail("`layer_types` has \"mlp\" layers but `intermediate_size` is 0: give the MLP a width, or remove "
-                 "those layers.")
+            fail(
+                '`layer_types` has "mlp" layers but `intermediate_size` is 0: give the MLP a width, or remove '
+                "those layers."
+            )
         if self.mamba_version not in (1, 2):
             fail(f"`mamba_version` must be 1 (Mamba) or 2 (Mamba-2), got {self.mamba_version!r}.")
         if self.mamba_version == 2 and "linear_attention" in self.layer_types:
@@ -428,22 +545,26 @@ class SambaConfig(PreTrainedConfig):
     def _check_mamba2_fields(self):
         inner, head_dim, groups = self.mamba_d_inner, self.mamba2_head_dim, self.mamba2_n_groups
         if inner % head_dim:
-            fail(f"Mamba-2: the inner width `mamba_expand * hidden_size` ({inner}) must be a multiple of "
-                 f"`mamba2_head_dim` ({head_dim}); pick a head size that divides it.")
+            fail(
+                f"Mamba-2: the inner width `mamba_expand * hidden_size` ({inner}) must be a multiple of "
+                f"`mamba2_head_dim` ({head_dim}); pick a head size that divides it."
+            )
         if self.mamba2_num_heads % groups:
-            fail(f"Mamba-2: the {self.mamba2_num_heads} heads (`mamba_d_inner // mamba2_head_dim`) must split evenly "
-                 f"into `mamba2_n_groups` ({groups}) groups; pick a divisor.")
+            fail(
+                f"Mamba-2: the {self.mamba2_num_heads} heads (`mamba_d_inner // mamba2_head_dim`) must split evenly "
+                f"into `mamba2_n_groups` ({groups}) groups; pick a divisor."
+            )
 
     def _check_rope_parameters(self):
         rope_type = self.rope_parameters.get("rope_type")
         if rope_type not in ("default", *ROPE_INIT_FUNCTIONS):
             fail(
-                f"`rope_parameters[\"rope_type\"]` must be \"default\" or one of {sorted(ROPE_INIT_FUNCTIONS)} "
+                f'`rope_parameters["rope_type"]` must be "default" or one of {sorted(ROPE_INIT_FUNCTIONS)} '
                 f"(transformers' RoPE types), got {rope_type!r}."
             )
         theta = self.rope_parameters.get("rope_theta")
         if not is_finite_number(theta) or theta <= 0:
-            fail(f"`rope_parameters[\"rope_theta\"]` must be a positive number (Samba uses 10000.0), got {theta!r}.")
+            fail(f'`rope_parameters["rope_theta"]` must be a positive number (Samba uses 10000.0), got {theta!r}.')
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "SambaConfig":

@@ -97,23 +97,42 @@ class SambaYConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         check_field_types(self, FIELD_TYPES)  # as SambaConfig checks its own
         check_shared_fields(self)
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "sliding_window", "mamba_d_state", "mamba_d_conv", "mamba_expand",
-                     "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "sliding_window",
+            "mamba_d_state",
+            "mamba_d_conv",
+            "mamba_expand",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)  # an int: check_field_types has seen to that
             if value < 1:
                 fail(f"`{name}` must be a positive integer, got {value!r}.")
         if self.num_hidden_layers % 4:
-            fail(f"`num_hidden_layers` must be a multiple of 4 (the YOCO split is at L/2), got {self.num_hidden_layers}.")
+            fail(
+                f"`num_hidden_layers` must be a multiple of 4 (the YOCO split is at L/2), "
+                f"got {self.num_hidden_layers}."
+            )
         if self.hidden_size % self.num_attention_heads:
-            fail(f"`hidden_size` ({self.hidden_size}) must be a multiple of `num_attention_heads` "
-                 f"({self.num_attention_heads}): head_dim = hidden_size / num_attention_heads.")
+            fail(
+                f"`hidden_size` ({self.hidden_size}) must be a multiple of `num_attention_heads` "
+                f"({self.num_attention_heads}): head_dim = hidden_size / num_attention_heads."
+            )
         if self.num_key_value_heads % 2 or self.num_attention_heads % self.num_key_value_heads:
-            fail(f"`num_key_value_heads` ({self.num_key_value_heads}) must be even (differential attention pairs "
-                 f"heads) and divide `num_attention_heads` ({self.num_attention_heads}).")
+            fail(
+                f"`num_key_value_heads` ({self.num_key_value_heads}) must be even (differential attention pairs "
+                f"heads) and divide `num_attention_heads` ({self.num_attention_heads})."
+            )
         if self.mb_per_layer != 2:
-            fail(f"`mb_per_layer` must be 2 (Mamba on every second self-decoder layer, as released), got "
-                 f"{self.mb_per_layer}.")
+            fail(
+                f"`mb_per_layer` must be 2 (Mamba on every second self-decoder layer, as released), got "
+                f"{self.mb_per_layer}."
+            )
         if self.layer_norm_eps <= 0:
             fail(f"`layer_norm_eps` must be > 0 (the release uses 1e-5), got {self.layer_norm_eps!r}.")
         if self.mamba_dt_rank == "auto":
@@ -167,14 +186,41 @@ class SambaYConfig(PreTrainedConfig):
 
 # The type of each field, checked by `check_field_types` (shared with SambaConfig).
 FIELD_TYPES = {
-    "an int": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "max_position_embeddings", "sliding_window", "mb_per_layer", "mamba_d_state",
-               "mamba_d_conv", "mamba_expand", "inference_chunk_size"),
+    "an int": (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "sliding_window",
+        "mb_per_layer",
+        "mamba_d_state",
+        "mamba_d_conv",
+        "mamba_expand",
+        "inference_chunk_size",
+    ),
     "an int or None": ("pad_token_id", "bos_token_id"),
-    "a finite number": ("initializer_range", "layer_norm_eps", "attention_dropout", "embd_pdrop", "resid_pdrop",
-                        "mamba_dt_min", "mamba_dt_max", "mamba_dt_init_floor", "mamba_dt_scale"),
-    "true or false (a bool)": ("use_cache", "tie_word_embeddings", "mlp_bias", "lm_head_bias", "mamba_conv_bias",
-                               "mamba_proj_bias"),
+    "a finite number": (
+        "initializer_range",
+        "layer_norm_eps",
+        "attention_dropout",
+        "embd_pdrop",
+        "resid_pdrop",
+        "mamba_dt_min",
+        "mamba_dt_max",
+        "mamba_dt_init_floor",
+        "mamba_dt_scale",
+    ),
+    "true or false (a bool)": (
+        "use_cache",
+        "tie_word_embeddings",
+        "mlp_bias",
+        "lm_head_bias",
+        "mamba_conv_bias",
+        "mamba_proj_bias",
+    ),
 }
 
 # The cache layer each block needs, in transformers' layer-type names (GMU and cross-attention layers get none: see

@@ -353,9 +353,11 @@ static void rows(const Task *t) {
             }
 #elif defined(__AVX512F__)
             for (; i + 16 <= in; i += 16) {
-                __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i))), 16);
+                __m512i wide = _mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i))), 16);
                 __m512 wv = _mm512_castsi512_ps(wide);
-                for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(t->x + (size_t)m * in + i), acc[m]);
+                for (int m = 0; m < M; m++)
+                    acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(t->x + (size_t)m * in + i), acc[m]);
             }
 #endif
             for (int m = 0; m < M; m++) {
@@ -372,7 +374,8 @@ static void rows(const Task *t) {
 #if defined(__AVX512F__)
             for (; i + 16 <= in; i += 16) {
                 __m512 wv = _mm512_loadu_ps(w + i);
-                for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(t->x + (size_t)m * in + i), acc[m]);
+                for (int m = 0; m < M; m++)
+                    acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(t->x + (size_t)m * in + i), acc[m]);
             }
 #endif
             for (int m = 0; m < M; m++) {
@@ -449,8 +452,12 @@ def build_c_library(source_text: str, name: str) -> str:
         base = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
         errors = []
         for flags in (["-march=native", *base], base):  # a compiler without -march=native still gets a build
-            result = subprocess.run([compiler, *flags, source, "-o", os.path.join(build, f"{name}.so"), "-lpthread"],
-                                    capture_output=True, text=True, timeout=300)
+            result = subprocess.run(
+                [compiler, *flags, source, "-o", os.path.join(build, f"{name}.so"), "-lpthread"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             if result.returncode == 0:
                 os.replace(os.path.join(build, f"{name}.so"), path)
                 return path
@@ -459,12 +466,14 @@ def build_c_library(source_text: str, name: str) -> str:
 
 
 def _cpu_scan_library():
-    """The compiled CPU scan (a ctypes library), built on first use; None where it cannot be (the caller falls back)."""
+    """The compiled CPU scan (a ctypes library), built on first use; None where it cannot be (the caller falls
+    back)."""
     global _CPU_SCAN
     if _CPU_SCAN is None:
         _CPU_SCAN = False
-        library = load_c_library(_CPU_SCAN_SOURCE, "selective_scan", "SAMBA_HF_SCAN", "the compiled CPU scan",
-                                 "the PyTorch scan")
+        library = load_c_library(
+            _CPU_SCAN_SOURCE, "selective_scan", "SAMBA_HF_SCAN", "the compiled CPU scan", "the PyTorch scan"
+        )
         if library is None:
             return None
         sizes = [ctypes.c_int] * 5  # threads, batch, seq_len, d_inner, d_state
@@ -499,7 +508,11 @@ def _cpu_scan_forward(u, dt, A, B, C, D, z, h0, keep_checkpoints=False):
     segments = -(-seq_len // _CPU_SCAN_SEGMENT)
     checkpoints = u.new_empty(batch, segments, d_inner, d_state) if keep_checkpoints else None
     failed = _cpu_scan_library().samba_scan_forward(
-        _scan_threads(batch, seq_len, d_inner, d_state), batch, seq_len, d_inner, d_state,
+        _scan_threads(batch, seq_len, d_inner, d_state),
+        batch,
+        seq_len,
+        d_inner,
+        d_state,
         *map(_pointer, (u, dt, A, B, C, D, z, h, y, checkpoints)),
     )
     if failed:
@@ -512,18 +525,40 @@ def _cpu_scan_backward(u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h, D_give
     (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
     threads = _scan_threads(batch, seq_len, d_inner, d_state)
     grads = {
-        "u": torch.empty_like(u), "dt": torch.empty_like(dt), "A": torch.zeros_like(A),
-        "B": B.new_zeros(threads, *B.shape), "C": C.new_zeros(threads, *C.shape),
-        "D": torch.zeros_like(D) if D_given else None, "z": torch.empty_like(z) if z_given else None,
+        "u": torch.empty_like(u),
+        "dt": torch.empty_like(dt),
+        "A": torch.zeros_like(A),
+        "B": B.new_zeros(threads, *B.shape),
+        "C": C.new_zeros(threads, *C.shape),
+        "D": torch.zeros_like(D) if D_given else None,
+        "z": torch.empty_like(z) if z_given else None,
         "h0": u.new_empty(batch, d_inner, d_state),
     }
     # named, so that they live until the call returns (a pointer does not keep its tensor alive)
     grad_y = grad_y.float().contiguous()
     grad_h = None if grad_h is None else grad_h.float().contiguous()
     failed = _cpu_scan_library().samba_scan_backward(
-        threads, batch, seq_len, d_inner, d_state,
-        *map(_pointer, (u, dt, A, B, C, D if D_given else None, z if z_given else None, checkpoints, grad_y, grad_h,
-                        *grads.values())),
+        threads,
+        batch,
+        seq_len,
+        d_inner,
+        d_state,
+        *map(
+            _pointer,
+            (
+                u,
+                dt,
+                A,
+                B,
+                C,
+                D if D_given else None,
+                z if z_given else None,
+                checkpoints,
+                grad_y,
+                grad_h,
+                *grads.values(),
+            ),
+        ),
     )
     if failed:
         raise MemoryError("samba-hf: out of memory in the CPU scan's backward")
@@ -536,8 +571,9 @@ def _gemv_library():
     global _CPU_GEMV
     if _CPU_GEMV is None:
         _CPU_GEMV = False
-        library = load_c_library(_CPU_GEMV_SOURCE, "gemv", "SAMBA_HF_GEMV", "the CPU matrix-vector kernel",
-                                 "nn.Linear")
+        library = load_c_library(
+            _CPU_GEMV_SOURCE, "gemv", "SAMBA_HF_GEMV", "the CPU matrix-vector kernel", "nn.Linear"
+        )
         if library is None:
             return None
         if not library.samba_gemv_has_avx512():  # PyTorch's product is as good as plain C there
@@ -561,9 +597,14 @@ def gemv_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     bias = None if bias is None else bias.float().contiguous()
     y = rows.new_empty(rows.shape[0], out_features)
     failed = _gemv_library().samba_gemv(
-        int(weight.dtype == torch.bfloat16), rows.shape[0], in_features, out_features,
-        ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(rows.data_ptr()),
-        None if bias is None else ctypes.c_void_p(bias.data_ptr()), ctypes.c_void_p(y.data_ptr()),
+        int(weight.dtype == torch.bfloat16),
+        rows.shape[0],
+        in_features,
+        out_features,
+        ctypes.c_void_p(weight.data_ptr()),
+        ctypes.c_void_p(rows.data_ptr()),
+        None if bias is None else ctypes.c_void_p(bias.data_ptr()),
+        ctypes.c_void_p(y.data_ptr()),
     )
     if failed:
         raise RuntimeError("samba-hf: the CPU matrix-vector kernel refused its arguments")
@@ -614,8 +655,17 @@ def _scan_operator():
     Tensor, OptionalTensor = torch.Tensor, typing.Optional[torch.Tensor]
 
     @torch.library.custom_op("samba_hf::selective_scan_cpu", mutates_args=(), device_types="cpu")
-    def scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: OptionalTensor, z: OptionalTensor,
-             h0: OptionalTensor, keep_checkpoints: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def scan(
+        u: Tensor,
+        dt: Tensor,
+        A: Tensor,
+        B: Tensor,
+        C: Tensor,
+        D: OptionalTensor,
+        z: OptionalTensor,
+        h0: OptionalTensor,
+        keep_checkpoints: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         if keep_checkpoints:
             return _cpu_scan_forward(u, dt, A, B, C, D, z, h0, keep_checkpoints=True)
         y, h = _cpu_scan_forward(u, dt, A, B, C, D, z, h0)
@@ -625,20 +675,41 @@ def _scan_operator():
     def _(u, dt, A, B, C, D, z, h0, keep_checkpoints):
         (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
         checkpoints = (batch, (seq_len + _CPU_SCAN_SEGMENT - 1) // _CPU_SCAN_SEGMENT, d_inner, d_state)
-        return u.new_empty(u.shape), u.new_empty(batch, d_inner, d_state), u.new_empty(checkpoints if keep_checkpoints else 0)
+        return (
+            u.new_empty(u.shape),
+            u.new_empty(batch, d_inner, d_state),
+            u.new_empty(checkpoints if keep_checkpoints else 0),
+        )
 
     @torch.library.custom_op("samba_hf::selective_scan_cpu_backward", mutates_args=(), device_types="cpu")
-    def scan_backward(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: OptionalTensor, z: OptionalTensor,
-                      checkpoints: Tensor, grad_y: Tensor, grad_h: OptionalTensor) -> list[Tensor]:
+    def scan_backward(
+        u: Tensor,
+        dt: Tensor,
+        A: Tensor,
+        B: Tensor,
+        C: Tensor,
+        D: OptionalTensor,
+        z: OptionalTensor,
+        checkpoints: Tensor,
+        grad_y: Tensor,
+        grad_h: OptionalTensor,
+    ) -> list[Tensor]:
         grads = _cpu_scan_backward(u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h, D is not None, z is not None)
         return [u.new_empty(0) if grad is None else grad for grad in grads]  # an operator returns no None
 
     @scan_backward.register_fake
     def _(u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h):
         absent = u.new_empty(0)
-        return [u.new_empty(u.shape), dt.new_empty(dt.shape), A.new_empty(A.shape), B.new_empty(B.shape),
-                C.new_empty(C.shape), absent if D is None else D.new_empty(D.shape),
-                absent if z is None else z.new_empty(z.shape), u.new_empty(u.shape[0], *A.shape)]
+        return [
+            u.new_empty(u.shape),
+            dt.new_empty(dt.shape),
+            A.new_empty(A.shape),
+            B.new_empty(B.shape),
+            C.new_empty(C.shape),
+            absent if D is None else D.new_empty(D.shape),
+            absent if z is None else z.new_empty(z.shape),
+            u.new_empty(u.shape[0], *A.shape),
+        ]
 
     def setup_context(ctx, inputs, output):
         u, dt, A, B, C, D, z, h0, _ = inputs

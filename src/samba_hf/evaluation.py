@@ -83,8 +83,13 @@ def passkey_prompt(tokenizer, length: int, depth: float, passkey: str) -> Prompt
         )
     before = round(depth * repeats)
     ids = instruction + filler * before + needle + filler * (repeats - before) + question
-    text = (PASSKEY_INSTRUCTION + PASSKEY_FILLER * before + PASSKEY_NEEDLE.format(key=passkey)
-            + PASSKEY_FILLER * (repeats - before) + PASSKEY_QUESTION)
+    text = (
+        PASSKEY_INSTRUCTION
+        + PASSKEY_FILLER * before
+        + PASSKEY_NEEDLE.format(key=passkey)
+        + PASSKEY_FILLER * (repeats - before)
+        + PASSKEY_QUESTION
+    )
     answer_tokens = len(tokenizer(" " + passkey, add_special_tokens=False).input_ids)
     return Prompt(ids, text, passkey, len(instruction) + before * len(filler), answer_tokens)
 
@@ -150,9 +155,16 @@ def answer(model, tokenizer, prompt: Prompt, prefill_chunk_size: int | None = 20
     chunked = prefill_chunk_size is not None and ids.shape[1] > prefill_chunk_size
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-        prefill_chunk_size=prefill_chunk_size if chunked else None, pad_token_id=pad,
-        temperature=None, top_p=None, top_k=None,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        prefill_chunk_size=prefill_chunk_size if chunked else None,
+        pad_token_id=pad,
+        temperature=None,
+        top_p=None,
+        top_k=None,
     )
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
@@ -188,9 +200,12 @@ class _TokenProgress:
             yield
             return
         self.tokens, self.read, self.start = tokens, 0, time.perf_counter()
-        hooks = [model.register_forward_pre_hook(lambda *_: setattr(self, "forward_start", time.perf_counter())),
-                 model.register_forward_hook(lambda module, args, kwargs, output: self._forward(args, kwargs),
-                                             with_kwargs=True)]
+        hooks = [
+            model.register_forward_pre_hook(lambda *_: setattr(self, "forward_start", time.perf_counter())),
+            model.register_forward_hook(
+                lambda module, args, kwargs, output: self._forward(args, kwargs), with_kwargs=True
+            ),
+        ]
         try:
             yield
         finally:
@@ -210,13 +225,16 @@ class _TokenProgress:
             seconds = now - self.forward_start
             whole = seconds * self.total / read
             if whole > self.after and self.say is not None:
-                self.say(f"the first {read:,} tokens took {seconds:.1f} s: about {_duration(whole)} for all "
-                         f"{self.total:,} at that rate")
+                self.say(
+                    f"the first {read:,} tokens took {seconds:.1f} s: about {_duration(whole)} for all "
+                    f"{self.total:,} at that rate"
+                )
         if self.bar is None and now - self.start > self.after:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=self.tokens, initial=self.read, desc="tokens", unit="token", unit_scale=True,
-                            leave=False)
+            self.bar = tqdm(
+                total=self.tokens, initial=self.read, desc="tokens", unit="token", unit_scale=True, leave=False
+            )
         elif self.bar is not None:
             self.bar.update(read)
 
@@ -229,9 +247,19 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} hours"
 
 
-def passkey_eval(model, tokenizer, lengths, depths, trials: int = 5, seed: int = 0, digits: int = 5,
-                 prefill_chunk_size: int | None = 2048, progress: bool = False, say=None,
-                 progress_after: float | None = None) -> dict:
+def passkey_eval(
+    model,
+    tokenizer,
+    lengths,
+    depths,
+    trials: int = 5,
+    seed: int = 0,
+    digits: int = 5,
+    prefill_chunk_size: int | None = 2048,
+    progress: bool = False,
+    say=None,
+    progress_after: float | None = None,
+) -> dict:
     """Passkey accuracy for every (length, depth): `trials` prompts each, with keys drawn from the seed.
     `progress`: bars of the prompts and, in prompts longer than `progress_after` seconds, of their tokens; an
     estimate of the whole run from its first forward, said through `say` (a function of one line of text)."""
@@ -251,13 +279,27 @@ def passkey_eval(model, tokenizer, lengths, depths, trials: int = 5, seed: int =
                 bar.update()
             cells.append({"length": length, "depth": depth, "accuracy": correct / trials, "samples": samples})
     bar.close()
-    return {"task": "passkey", "lengths": list(lengths), "depths": list(depths), "trials": trials, "seed": seed,
-            "cells": cells}
+    return {
+        "task": "passkey",
+        "lengths": list(lengths),
+        "depths": list(depths),
+        "trials": trials,
+        "seed": seed,
+        "cells": cells,
+    }
 
 
-def phonebook_eval(model, tokenizer, lengths, trials: int = 10, seed: int = 0,
-                   prefill_chunk_size: int | None = 2048, progress: bool = False, say=None,
-                   progress_after: float | None = None) -> dict:
+def phonebook_eval(
+    model,
+    tokenizer,
+    lengths,
+    trials: int = 10,
+    seed: int = 0,
+    prefill_chunk_size: int | None = 2048,
+    progress: bool = False,
+    say=None,
+    progress_after: float | None = None,
+) -> dict:
     """Phonebook lookup accuracy for every length: `trials` books each, drawn from the seed (`progress`, `say`,
     `progress_after`: as for `passkey_eval`)."""
     rows = []
@@ -291,8 +333,9 @@ def _returned_cache(output):
 
 
 @torch.no_grad()
-def token_nll(model, input_ids: torch.Tensor, prefill_chunk_size: int | None = 2048,
-              progress: bool = False) -> torch.Tensor:
+def token_nll(
+    model, input_ids: torch.Tensor, prefill_chunk_size: int | None = 2048, progress: bool = False
+) -> torch.Tensor:
     """-log p(token t | tokens < t) for t = 1 .. n-1 of one sequence (1D ids), in float32, from one pass: chunks of
     `prefill_chunk_size` tokens go through the cache, each chunk's last logits score the next chunk's first token."""
     ids = input_ids.reshape(1, -1).to(_device(model))
@@ -320,8 +363,9 @@ def token_nll(model, input_ids: torch.Tensor, prefill_chunk_size: int | None = 2
     return torch.cat(losses).cpu()
 
 
-def perplexity_by_position(model, input_ids: torch.Tensor, bucket: int = 512, prefill_chunk_size: int | None = 2048,
-                           progress: bool = False) -> dict:
+def perplexity_by_position(
+    model, input_ids: torch.Tensor, bucket: int = 512, prefill_chunk_size: int | None = 2048, progress: bool = False
+) -> dict:
     """Mean NLL and perplexity of the tokens in each `bucket`-token span of positions of one long sequence."""
     nll = token_nll(model, input_ids, prefill_chunk_size, progress)
     positions = torch.arange(1, nll.numel() + 1)  # nll[i] scores the token at position i + 1
@@ -330,10 +374,22 @@ def perplexity_by_position(model, input_ids: torch.Tensor, bucket: int = 512, pr
         inside = (positions >= start) & (positions < start + bucket)
         if inside.any():
             mean = nll[inside].double().mean().item()
-            buckets.append({"start": start, "end": min(start + bucket, int(positions[-1]) + 1),
-                            "tokens": int(inside.sum()), "nll": mean, "perplexity": math.exp(mean)})
-    return {"task": "perplexity", "tokens": int(nll.numel()) + 1, "bucket": bucket, "buckets": buckets,
-            "nll": nll.double().mean().item()}
+            buckets.append(
+                {
+                    "start": start,
+                    "end": min(start + bucket, int(positions[-1]) + 1),
+                    "tokens": int(inside.sum()),
+                    "nll": mean,
+                    "perplexity": math.exp(mean),
+                }
+            )
+    return {
+        "task": "perplexity",
+        "tokens": int(nll.numel()) + 1,
+        "bucket": bucket,
+        "buckets": buckets,
+        "nll": nll.double().mean().item(),
+    }
 
 
 def default_text() -> str:
@@ -344,6 +400,7 @@ def default_text() -> str:
 
 
 # ---- plots (matplotlib, the `eval` extra) ----
+
 
 def _pyplot():
     try:
@@ -364,8 +421,10 @@ def plot_passkey(result: dict, path: str, title: str = "") -> None:
     """Heatmap like the paper's Figure 4: context length on x, key depth on y, accuracy as colour and number."""
     plt = _pyplot()
     lengths, depths = result["lengths"], result["depths"]
-    grid = [[next(c["accuracy"] for c in result["cells"] if c["length"] == n and c["depth"] == d) for n in lengths]
-            for d in depths]
+    grid = [
+        [next(c["accuracy"] for c in result["cells"] if c["length"] == n and c["depth"] == d) for n in lengths]
+        for d in depths
+    ]
     fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(lengths), 1.2 + 0.45 * len(depths)))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     for y, row in enumerate(grid):

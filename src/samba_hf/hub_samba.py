@@ -33,7 +33,9 @@ def save_folder(model, save_directory, save, *args, **kwargs):
     where an earlier save left one model.safetensors (or the reverse) removes the earlier one, as transformers
     removes earlier shards: otherwise `from_pretrained` would load the earlier weights."""
     model.config.auto_map = {**(getattr(model.config, "auto_map", None) or {}), "AutoModel": model._auto_model_entry}
-    single, index = (os.path.join(save_directory, name) for name in ("model.safetensors", "model.safetensors.index.json"))
+    single, index = (
+        os.path.join(save_directory, name) for name in ("model.safetensors", "model.safetensors.index.json")
+    )
 
     def stamp(path):  # what tells a file this call wrote from the one that was there
         try:
@@ -48,7 +50,11 @@ def save_folder(model, save_directory, save, *args, **kwargs):
     made = type(model)
     saved_class = next(c for c in made.__mro__ if not c.__module__.startswith("torch."))
     named = made.__module__, made.__name__, made.__qualname__
-    made.__module__, made.__name__, made.__qualname__ = saved_class.__module__, saved_class.__name__, saved_class.__qualname__
+    made.__module__, made.__name__, made.__qualname__ = (
+        saved_class.__module__,
+        saved_class.__name__,
+        saved_class.__qualname__,
+    )
     try:
         save(save_directory, *args, **kwargs)
     finally:
@@ -72,7 +78,10 @@ def hub_metadata(license: str = "unknown", base_model: str | None = None, extra_
 
     tags = ["samba", "mamba", "sliding-window-attention", "samba-hf", *extra_tags]
     return ModelCardData(
-        library_name="transformers", license=license, tags=list(dict.fromkeys(tags)), pipeline_tag="text-generation",
+        library_name="transformers",
+        license=license,
+        tags=list(dict.fromkeys(tags)),
+        pipeline_tag="text-generation",
         base_model=base_model,
     ).to_yaml()
 
@@ -80,15 +89,22 @@ def hub_metadata(license: str = "unknown", base_model: str | None = None, extra_
 def architecture(config) -> str:
     """What the layout is, in words, for a model card."""
     if config.model_type != "samba":
-        return ("SambaY (Phi-4-mini-flash-reasoning's architecture): a Samba self-decoder, then a YOCO cross-decoder "
-                "with Gated Memory Units")
+        return (
+            "SambaY (Phi-4-mini-flash-reasoning's architecture): a Samba self-decoder, then a YOCO cross-decoder "
+            "with Gated Memory Units"
+        )
     mixers = "Mamba-2" if config.mamba_version == 2 else "Mamba"
     if "mlp" in config.layer_types:
-        return (f"a hybrid of {mixers}, attention and MLP blocks of one sub-layer each (pattern "
-                f"{config.hybrid_pattern}), as NVIDIA's Mamba-2-Hybrid (Waleffe et al., 2024)")
-    return (f"Samba (Ren et al., ICLR 2025): {mixers} and attention layers (pattern {config.hybrid_pattern}), each "
-            "followed by an MLP" if config.mixer_mlp else f"{mixers} and attention layers (pattern "
-            f"{config.hybrid_pattern}) without MLPs")
+        return (
+            f"a hybrid of {mixers}, attention and MLP blocks of one sub-layer each (pattern "
+            f"{config.hybrid_pattern}), as NVIDIA's Mamba-2-Hybrid (Waleffe et al., 2024)"
+        )
+    return (
+        f"Samba (Ren et al., ICLR 2025): {mixers} and attention layers (pattern {config.hybrid_pattern}), each "
+        "followed by an MLP"
+        if config.mixer_mlp
+        else f"{mixers} and attention layers (pattern {config.hybrid_pattern}) without MLPs"
+    )
 
 
 def model_card(config, title: str, details: str, **metadata) -> str:

@@ -67,7 +67,9 @@ def check_weights(path: str | os.PathLike, config: SambaConfig) -> None:
     tied_head = config.tie_word_embeddings  # a tied head is not stored; a copy of it may be
     try:
         check_layout(
-            Checkpoint(path), expected_tensors(config), "samba-hf",
+            Checkpoint(path),
+            expected_tensors(config),
+            "samba-hf",
             ignored=lambda name: tied_head and name == "lm_head.weight",
             header=f"the weights in {path} do not match its config.json:",
             likely_cause="the weights and config.json come from different models, or the files are incomplete.",
@@ -98,8 +100,8 @@ def check_tokenizer(path: str | os.PathLike) -> None:
             elsewhere = None
         where = f" (its config.json names the Hub tokenizer {elsewhere!r}: download that one)" if elsewhere else ""
         raise ModelFolderError(
-            f"{str(path)!r} has no tokenizer vocabulary (none of {', '.join(VOCABULARY_FILES)}){where}; pass --tokenizer "
-            "with a tokenizer folder or Hub name, or add one with tokenizer.save_pretrained(folder)"
+            f"{str(path)!r} has no tokenizer vocabulary (none of {', '.join(VOCABULARY_FILES)}){where}; "
+            "pass --tokenizer with a tokenizer folder or Hub name, or add one with tokenizer.save_pretrained(folder)"
         )
 
 
@@ -115,13 +117,14 @@ def check_generation_config(path: str | os.PathLike) -> None:
         GenerationConfig.from_pretrained(path)
     except (OSError, ValueError, TypeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelFolderError(f"{str(file)!r} cannot be read ({reason}); fix it, or remove it to decode with the "
-                               "settings of config.json") from None
+        raise ModelFolderError(
+            f"{str(file)!r} cannot be read ({reason}); fix it, or remove it to decode with the settings of config.json"
+        ) from None
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str = "auto", config: SambaConfig | None = None):
-    """`SambaForCausalLM` / `SambaYForCausalLM.from_pretrained(path)` after the checks above, and with finite weights (`config`: the
-    folder's, when `read_config` has already read it)."""
+    """`SambaForCausalLM` / `SambaYForCausalLM.from_pretrained(path)` after the checks above, and with finite weights
+    (`config`: the folder's, when `read_config` has already read it)."""
     config = config or read_config(path)
     check_weights(path, config)
     try:
@@ -148,23 +151,36 @@ def tokenizer_for(path: str | os.PathLike, tokenizer: str | os.PathLike | None =
         try:
             settings = json.loads((folder / "tokenizer_config.json").read_text())
         except (OSError, ValueError) as error:
-            raise ModelFolderError(f"{str(folder / 'tokenizer_config.json')!r} is not readable JSON ({error}); "
-                                   "fix or remove it")
+            raise ModelFolderError(
+                f"{str(folder / 'tokenizer_config.json')!r} is not readable JSON ({error}); fix or remove it"
+            )
     vocabulary = loaded.get_vocab()
     for token_id, entry in sorted(settings.get("added_tokens_decoder", {}).items(), key=lambda item: int(item[0])):
         content = entry["content"]
         if content not in vocabulary:  # appended: it lands at the model's id only if the ids below are all taken
-            loaded.add_tokens([AddedToken(content, special=entry.get("special", False), lstrip=entry.get("lstrip",
-                               False), rstrip=entry.get("rstrip", False), normalized=entry.get("normalized", False))],
-                              special_tokens=entry.get("special", False))
+            loaded.add_tokens(
+                [
+                    AddedToken(
+                        content,
+                        special=entry.get("special", False),
+                        lstrip=entry.get("lstrip", False),
+                        rstrip=entry.get("rstrip", False),
+                        normalized=entry.get("normalized", False),
+                    )
+                ],
+                special_tokens=entry.get("special", False),
+            )
         if loaded.convert_tokens_to_ids(content) != int(token_id):
             raise ModelFolderError(
                 f"the tokenizer {str(tokenizer)!r} has {content!r} at id {loaded.convert_tokens_to_ids(content)}, but "
                 f"the model folder's tokenizer_config.json puts it at {token_id}: it is not this model's tokenizer; "
                 "pass the one the model was trained with"
             )
-    template = (folder / "chat_template.jinja").read_text() if (folder / "chat_template.jinja").is_file() else (
-        settings.get("chat_template"))
+    template = (
+        (folder / "chat_template.jinja").read_text()
+        if (folder / "chat_template.jinja").is_file()
+        else (settings.get("chat_template"))
+    )
     if loaded.chat_template is None and isinstance(template, str):
         loaded.chat_template = template
     return loaded
@@ -181,12 +197,16 @@ def load_tokenizer(tokenizer: str | os.PathLike):
 
         return tokenizer_from_sentencepiece(path)
     if path.suffix == ".model" and not path.exists():
-        raise ModelFolderError(f"no such file: {str(tokenizer)!r} (--tokenizer takes a tokenizer folder, a Hub name "
-                               "or a SentencePiece .model file)")
+        raise ModelFolderError(
+            f"no such file: {str(tokenizer)!r} (--tokenizer takes a tokenizer folder, a Hub name "
+            "or a SentencePiece .model file)"
+        )
     if path.is_file():
-        raise ModelFolderError(f"{str(tokenizer)!r} is a file but not a SentencePiece .model; --tokenizer takes a "
-                               "tokenizer folder (tokenizer.json, tokenizer_config.json, ...), a Hub name or a "
-                               "SentencePiece .model file")
+        raise ModelFolderError(
+            f"{str(tokenizer)!r} is a file but not a SentencePiece .model; --tokenizer takes a "
+            "tokenizer folder (tokenizer.json, tokenizer_config.json, ...), a Hub name or a "
+            "SentencePiece .model file"
+        )
     return AutoTokenizer.from_pretrained(tokenizer)
 
 
@@ -194,8 +214,9 @@ def end_of_turn_id(tokenizer) -> int | None:
     """The special token the chat template closes a message with (`<|end|>` for Phi, `<|im_end|>` for ChatML), so
     that generation stops at the end of the reply; None when the template closes it with plain text."""
     marker = "\x00samba-hf\x00"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
     after = tokenizer(text.split(marker, 1)[1], add_special_tokens=False).input_ids
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     return after[0] if after and after[0] in special else None

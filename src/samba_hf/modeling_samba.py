@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
@@ -118,7 +117,9 @@ class SambaRotaryEmbedding(nn.Module):
     def compute_default_rope_parameters(config: SambaConfig, device=None, seq_len=None) -> tuple[torch.Tensor, float]:
         base = config.rope_parameters["rope_theta"]
         dim = config.head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim)
+        )
         return inv_freq, 1.0
 
     @torch.no_grad()
@@ -190,11 +191,19 @@ class SambaAttention(nn.Module):
             self.config._attn_implementation, eager_attention_forward
         )
         attn_output, attn_weights = attention_forward(
-            self, attention_interface, query_states, key_states, value_states, attention_mask, scaling=self.scaling,
-            dropout=0.0 if not self.training else self.attention_dropout, **kwargs,
+            self,
+            attention_interface,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            scaling=self.scaling,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
+
 
 class PackedDocuments:
     """Where the documents of a packed batch lie (position_ids restarting at each document, as
@@ -310,9 +319,12 @@ class SambaMambaMixer(nn.Module):
             dt = dt * mask  # a zero step leaves the state as it was: padding neither decays nor feeds it
         A = self.decay_rates()  # (d_inner, d_state)
         gate = None if return_memory else z
-        if past_key_values is not None and past_key_values.is_recording_past(self.layer_idx):  # assisted generation: keep each token's state for `crop`
-            y, ssm_state, states = scan_token_by_token(selective_scan, ssm_state, dict(u=x, dt=dt, B=B, C=C, z=gate),
-                                                       A=A, D=self.D)
+        if past_key_values is not None and past_key_values.is_recording_past(
+            self.layer_idx
+        ):  # assisted generation: keep each token's state for `crop`
+            y, ssm_state, states = scan_token_by_token(
+                selective_scan, ssm_state, dict(u=x, dt=dt, B=B, C=C, z=gate), A=A, D=self.D
+            )
             record_states(past_key_values, self.layer_idx, states)
         else:
             y, ssm_state = selective_scan(x, dt, A, B, C, self.D, gate, ssm_state)
@@ -391,7 +403,9 @@ class SambaMamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = SambaGatedRMSNorm(self.intermediate_size, self.intermediate_size // self.n_groups, config.rms_norm_eps)
+        self.norm = SambaGatedRMSNorm(
+            self.intermediate_size, self.intermediate_size // self.n_groups, config.rms_norm_eps
+        )
         self.out_proj = SambaLinear(self.intermediate_size, config.hidden_size, bias=config.mamba_proj_bias)
         self.out_proj.is_residual_output = True
 
@@ -425,9 +439,12 @@ class SambaMamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())  # (heads,)
         groups = (batch, seq_len, self.n_groups, self.ssm_state_size)
         x, B, C = x.reshape(batch, seq_len, self.num_heads, self.head_dim), B.reshape(groups), C.reshape(groups)
-        if past_key_values is not None and past_key_values.is_recording_past(self.layer_idx):  # assisted generation: keep each token's state for `crop`
-            y, ssm_state, states = scan_token_by_token(ssd_scan, ssm_state, dict(x=x, dt=dt, B=B, C=C), A=A, D=self.D,
-                                                       chunk_size=self.chunk_size)
+        if past_key_values is not None and past_key_values.is_recording_past(
+            self.layer_idx
+        ):  # assisted generation: keep each token's state for `crop`
+            y, ssm_state, states = scan_token_by_token(
+                ssd_scan, ssm_state, dict(x=x, dt=dt, B=B, C=C), A=A, D=self.D, chunk_size=self.chunk_size
+            )
             record_states(past_key_values, self.layer_idx, states)
         else:
             y, ssm_state = ssd_scan(x, dt, A, B, C, self.D, ssm_state, self.chunk_size)
@@ -541,7 +558,6 @@ class SambaPreTrainedModel(PreTrainedModel):
         beside the new ones (`hub_samba.save_folder`)."""
         save_folder(self, save_directory, super().save_pretrained, *args, **kwargs)
 
-
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' load-time FSDP2 (`from_pretrained(distributed_config=DistributedConfig(fsdp_size=N))`: each
@@ -552,16 +568,24 @@ class SambaPreTrainedModel(PreTrainedModel):
         dt_bias stay float32 in the forward, the backward and the gradient reduction (two more all-gathers per Mamba
         layer). Only on a pure FSDP mesh (no tensor, pipeline or expert parallelism)."""
         config = distributed_config
-        if (mesh_manager is not None and config is not None and config.fsdp_mixed_precision and config.dp_size > 1
-                and config.tp_size == config.pp_size == config.ep_size == 1):
+        if (
+            mesh_manager is not None
+            and config is not None
+            and config.fsdp_mixed_precision
+            and config.dp_size > 1
+            and config.tp_size == config.pp_size == config.ep_size == 1
+        ):
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
             from transformers.distributed.fsdp import _get_fsdp_policy_kwargs
 
             mesh = mesh_manager.get_mesh(("dp_replicate", "fsdp") if config.dp_replicate_size > 1 else "fsdp")
             policy = _get_fsdp_policy_kwargs(config)  # transformers' own: bf16 parameters, float32 reduction
-            float32 = {**policy, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32,
-                                                                   reduce_dtype=torch.float32,
-                                                                   cast_forward_inputs=False)}
+            float32 = {
+                **policy,
+                "mp_policy": MixedPrecisionPolicy(
+                    param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+                ),
+            }
             for module in model.modules():
                 if isinstance(module, (SambaMambaMixer, SambaMamba2Mixer)):
                     # one unit for the children: causal_conv reads conv1d.weight without calling the module (CPU
@@ -598,8 +622,12 @@ class SambaPreTrainedModel(PreTrainedModel):
         elif isinstance(module, SambaRotaryEmbedding):
             super()._init_weights(module)  # refills the non-persistent inv_freq buffers
         elif isinstance(module, SambaMambaMixer):
-            init.copy_(module.A_log, torch.log(torch.arange(1, module.ssm_state_size + 1, dtype=torch.float32))
-                       .expand(module.intermediate_size, -1))
+            init.copy_(
+                module.A_log,
+                torch.log(torch.arange(1, module.ssm_state_size + 1, dtype=torch.float32)).expand(
+                    module.intermediate_size, -1
+                ),
+            )
             init.ones_(module.D)
             dt_std = module.time_step_rank**-0.5 * config.mamba_dt_scale
             init.uniform_(module.dt_proj.weight, -dt_std, dt_std)
@@ -653,7 +681,9 @@ class SambaModel(SambaPreTrainedModel):
         check_inputs(self.config, input_ids, inputs_embeds, attention_mask, past_key_values)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        documents = PackedDocuments.find(position_ids, attention_mask, past_key_values, self.config, inputs_embeds.shape[0])
+        documents = PackedDocuments.find(
+            position_ids, attention_mask, past_key_values, self.config, inputs_embeds.shape[0]
+        )
         if documents is not None:  # a packed (training) batch: nothing to continue from it, so no cache; the mask
             use_cache, past_key_values, attention_mask = False, None, None  # builders find the documents themselves
         if use_cache and past_key_values is None:
@@ -665,10 +695,18 @@ class SambaModel(SambaPreTrainedModel):
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
 
         # packed documents go through in one piece (their boundaries were found once, above)
-        chunk = self._inference_chunk(inputs_embeds, attention_mask, past_key_values, kwargs) if documents is None else 0
-        tail = tokens_to_record(past_key_values, attention_mask, inputs_embeds.shape[1], keep_last) if documents is None else 0
+        chunk = (
+            self._inference_chunk(inputs_embeds, attention_mask, past_key_values, kwargs) if documents is None else 0
+        )
+        tail = (
+            tokens_to_record(past_key_values, attention_mask, inputs_embeds.shape[1], keep_last)
+            if documents is None
+            else 0
+        )
         if chunk or tail:
-            hidden_states = self._run_in_pieces(inputs_embeds, position_ids, past_key_values, kwargs, keep_last, chunk, tail)
+            hidden_states = self._run_in_pieces(
+                inputs_embeds, position_ids, past_key_values, kwargs, keep_last, chunk, tail
+            )
         else:
             hidden_states = self._run_layers(
                 inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents, keep_last
@@ -692,10 +730,16 @@ class SambaModel(SambaPreTrainedModel):
         pieces = []
         for start, end in zip(bounds, bounds[1:]):
             with recording_paused(cache) if tail and start < length - tail else contextlib.nullcontext():
-                pieces.append(self._run_layers(
-                    inputs_embeds[:, start:end], None, position_ids[:, start:end], cache, kwargs,
-                    keep_last=max(0, end - max(start, first_kept)),  # of this piece's positions
-                ))
+                pieces.append(
+                    self._run_layers(
+                        inputs_embeds[:, start:end],
+                        None,
+                        position_ids[:, start:end],
+                        cache,
+                        kwargs,
+                        keep_last=max(0, end - max(start, first_kept)),  # of this piece's positions
+                    )
+                )
         return torch.cat(pieces, dim=1)
 
     def _run_layers(
@@ -703,7 +747,9 @@ class SambaModel(SambaPreTrainedModel):
     ) -> torch.Tensor:
         """The decoder layers over one piece of the input; every Samba layer keeps state, so all positions run
         (`keep_last` is applied by the caller)."""
-        mask_mapping = self._mask_mapping(inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents)
+        mask_mapping = self._mask_mapping(
+            inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents
+        )
         hidden_states = inputs_embeds
         position_embeddings = None
         if self.config.use_rope and any(kind in ATTENTION_TYPES for kind in self.config.layer_types):
@@ -731,12 +777,25 @@ class SambaModel(SambaPreTrainedModel):
         sliding = None
         if "sliding_attention" in kinds and self._owns_long_sliding_window:
             output_attentions = kwargs.get("output_attentions", config.output_attentions)
-            sliding = sliding_window_mask(config, inputs_embeds, attention_mask, past_key_values,
-                                          documents is not None, output_attentions, self.training)
-        mask_kwargs = {"config": config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
-                       CACHE_NAME: past_key_values, "position_ids": position_ids}
+            sliding = sliding_window_mask(
+                config,
+                inputs_embeds,
+                attention_mask,
+                past_key_values,
+                documents is not None,
+                output_attentions,
+                self.training,
+            )
+        mask_kwargs = {
+            "config": config,
+            "inputs_embeds": inputs_embeds,
+            "attention_mask": attention_mask,
+            CACHE_NAME: past_key_values,
+            "position_ids": position_ids,
+        }
         return {
-            kind: sliding if kind == "sliding_attention" and sliding is not None
+            kind: sliding
+            if kind == "sliding_attention" and sliding is not None
             else MASK_BUILDERS[kind](**mask_kwargs, layer_idx=config.layer_types.index(kind))
             for kind in kinds
         }
@@ -760,6 +819,7 @@ class SambaModel(SambaPreTrainedModel):
         if past_key_values is not None and type(past_key_values) is not DynamicCache:
             return 0
         return chunk
+
 
 class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -805,8 +865,10 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         >>> out.loss, out.logits.shape
         ```"""
         if isinstance(logits_to_keep, int) and logits_to_keep < 0:
-            raise ValueError(f"logits_to_keep must be 0 (every position), a count of last positions >= 1, or a 1D "
-                             f"tensor of positions, got {logits_to_keep}")
+            raise ValueError(
+                f"logits_to_keep must be 0 (every position), a count of last positions >= 1, or a 1D "
+                f"tensor of positions, got {logits_to_keep}"
+            )
         keep_last = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else None
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -825,7 +887,11 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2 and not bool(attention_mask.all()):
+            if (
+                isinstance(attention_mask, torch.Tensor)
+                and attention_mask.ndim == 2
+                and not bool(attention_mask.all())
+            ):
                 # A token right after padding (the first of a left-padded row) has nothing to be predicted from, as
                 # in an unpadded run: ignore its label, so padding on either side gives the unpadded loss.
                 after_padding = nn.functional.pad(attention_mask[:, :-1] == 0, (1, 0), value=False)
@@ -845,8 +911,9 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
     ):
         """transformers' cache set-up in `generate`, with Samba's checks of what it was asked for around it: a cache
         of a kind Samba takes (`check_cache_type`), an offloaded cache only on a CUDA device, no static cache for
-        assisted generation, and a static cache with room for what this call writes. `max_cache_length` is what transformers sizes its own static cache by: the
-        prompt and the new tokens, less the last new token (never fed back)."""
+        assisted generation, and a static cache with room for what this call writes. `max_cache_length` is what
+        transformers sizes its own static cache by: the prompt and the new tokens, less the last new token (never fed
+        back)."""
         cache = model_kwargs.get(CACHE_NAME)
         if cache is not None:
             check_cache_type(cache)
@@ -855,9 +922,9 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         ):
             # transformers' static sliding-window layer cannot be taken back past its window
             raise ValueError(
-                "Assisted generation (prompt lookup, an assistant model) takes the cache back after each draft, which a "
-                "static cache cannot do: leave out cache_implementation=\"static\" (and the StaticCache), and let "
-                "generate make its dynamic cache."
+                "Assisted generation (prompt lookup, an assistant model) takes the cache back after each draft, "
+                'which a static cache cannot do: leave out cache_implementation="static" (and the StaticCache), '
+                "and let generate make its dynamic cache."
             )
         elif "offloaded" in str(generation_config.cache_implementation) and self.device.type != "cuda":
             # transformers' offloading synchronises CUDA streams: without CUDA it fails on an assertion inside torch

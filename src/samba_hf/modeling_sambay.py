@@ -27,7 +27,6 @@ import math
 
 import torch
 from torch import nn
-
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
@@ -35,9 +34,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
+from .attention_samba import eager_attention_forward, sdpa_backends
 from .configuration_sambay import SambaYConfig
 from .linear_samba import SambaLinear
-from .attention_samba import eager_attention_forward, sdpa_backends
 from .modeling_samba import SambaForCausalLM, SambaMambaMixer, SambaModel, SambaPreTrainedModel, SambaRMSNorm
 
 logger = logging.get_logger(__name__)
@@ -82,16 +81,22 @@ class SambaYDifferentialAttention(nn.Module):
         if implementation in ("eager", "sdpa"):
             with sdpa_backends(query.device, query.shape[2], key.shape[2]):
                 return attention(self, query, key, values, attention_mask, **options)
-        halves = [attention(self, query, key, half.contiguous(), attention_mask, **options)
-                  for half in values.chunk(2, dim=-1)]
+        halves = [
+            attention(self, query, key, half.contiguous(), attention_mask, **options)
+            for half in values.chunk(2, dim=-1)
+        ]
         return torch.cat([out for out, _ in halves], dim=-1), halves[0][1]
 
     def forward(self, query, key, values, attention_mask, **kwargs) -> tuple[torch.Tensor, tuple]:
         # query (batch, heads, q_len, d); key (batch, kv_heads, kv_len, d); values: `pair_values` of the values
         # -> (batch, q_len, heads * d)
         batch, _, q_len, _ = query.shape
-        options = dict(scaling=self.scaling, sliding_window=self.sliding_window,
-                       dropout=self.config.attention_dropout if self.training else 0.0, **kwargs)
+        options = dict(
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+            **kwargs,
+        )
         out1, weights1 = self.attend(query[:, 0::2], key[:, 0::2], values, attention_mask, **options)
         out2, weights2 = self.attend(query[:, 1::2], key[:, 1::2], values, attention_mask, **options)
         # (batch, q_len, heads / 2, 2d)
@@ -112,7 +117,10 @@ class SambaYAttention(nn.Module):
         self.layer_idx = layer_idx
         self.block = config.block_types[layer_idx]
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         width = self.num_heads + (0 if self.block == "cross_attention" else 2 * self.num_kv_heads)
         self.Wqkv = SambaLinear(config.hidden_size, width * self.head_dim, bias=True)
         self.out_proj = SambaLinear(self.num_heads * self.head_dim, config.hidden_size, bias=True)
@@ -204,8 +212,13 @@ class SambaYDecoderLayer(GradientCheckpointingLayer):
         residual = hidden_states
         x = self.input_layernorm(hidden_states.to(self.input_layernorm.weight.dtype))
         if self.block in ("mamba", "memory"):
-            out = self.attn(x, attention_mask=attention_mask, past_key_values=past_key_values, documents=documents,
-                            return_memory=self.block == "memory")
+            out = self.attn(
+                x,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                documents=documents,
+                return_memory=self.block == "memory",
+            )
             if self.block == "memory":
                 out, memory = out
         elif self.block == "gmu":
@@ -264,14 +277,18 @@ class SambaYModel(SambaYPreTrainedModel, SambaModel):
     ):
         """Self-decoder on every position (it fills the cache), then the cross-decoder, which keeps no state, on the
         last `keep_last` positions only (YOCO's prefill saving; None: all)."""
-        mask_mapping = self._mask_mapping(inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents)
+        mask_mapping = self._mask_mapping(
+            inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents
+        )
         hidden_states, memory, shared_kv = inputs_embeds, None, None
         cross_start = self.config.block_types.index("full_attention") + 1
         for index, decoder_layer in enumerate(self.layers):
             if index == cross_start and keep_last is not None and keep_last < hidden_states.shape[1]:
                 if keep_last == 0:  # no position of this piece is asked for (a chunk before the kept ones)
                     return hidden_states[:, :0]
-                cross_mask = self._cross_decoder_mask(mask_mapping["full_attention"], keep_last, shared_kv[0].shape[-2])
+                cross_mask = self._cross_decoder_mask(
+                    mask_mapping["full_attention"], keep_last, shared_kv[0].shape[-2]
+                )
                 if cross_mask is not False:
                     hidden_states, memory = hidden_states[:, -keep_last:], memory[:, -keep_last:]
                     mask_mapping = {**mask_mapping, "full_attention": cross_mask}

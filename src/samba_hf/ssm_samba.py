@@ -70,8 +70,10 @@ def _interpret_kernels() -> bool:
     if os.environ.get("SAMBA_HF_INTERPRET_KERNELS", "") not in ("", "0"):
         if os.environ.get("TRITON_INTERPRET") == "1":
             return True
-        logger.warning("samba-hf: SAMBA_HF_INTERPRET_KERNELS is set without TRITON_INTERPRET=1; ignored (it sends CPU "
-                       "tensors to the CUDA kernels, which only Triton's interpreter can run on a CPU)")
+        logger.warning(
+            "samba-hf: SAMBA_HF_INTERPRET_KERNELS is set without TRITON_INTERPRET=1; ignored (it sends CPU "
+            "tensors to the CUDA kernels, which only Triton's interpreter can run on a CPU)"
+        )
     return False
 
 
@@ -95,8 +97,10 @@ class Kernels(typing.NamedTuple):
 
 _KERNELS: Kernels | None = None
 
-_INSTALL_MAMBA = ("install mamba-ssm with its CUDA extension (MAMBA_FORCE_BUILD=TRUE pip install mamba-ssm "
-                  "--no-build-isolation; from its main branch also MAMBA_KEEP_CUDA_BUILD=TRUE)")
+_INSTALL_MAMBA = (
+    "install mamba-ssm with its CUDA extension (MAMBA_FORCE_BUILD=TRUE pip install mamba-ssm "
+    "--no-build-isolation; from its main branch also MAMBA_KEEP_CUDA_BUILD=TRUE)"
+)
 _INSTALL_TRITON = "install triton (torch's CUDA wheels bring it)"
 _INSTALL_CONV = "install causal-conv1d (CAUSAL_CONV1D_FORCE_BUILD=TRUE pip install causal-conv1d --no-build-isolation)"
 
@@ -162,10 +166,14 @@ def load_kernels() -> Kernels:
     attempt(["selective_scan_triton", "ssd_scan_triton", "ssd_chunked_triton"], triton_scans)
     attempt(["causal_conv_triton"], triton_conv)
     attempt(["selective_scan_fn"], cuda_scan)
-    attempt(["selective_state_update"],
-            lambda: (_import_mamba_ssm("ops.triton.selective_state_update").selective_state_update,))
-    attempt(["mamba_chunk_scan_combined"],
-            lambda: (_import_mamba_ssm("ops.triton.ssd_combined").mamba_chunk_scan_combined,))
+    attempt(
+        ["selective_state_update"],
+        lambda: (_import_mamba_ssm("ops.triton.selective_state_update").selective_state_update,),
+    )
+    attempt(
+        ["mamba_chunk_scan_combined"],
+        lambda: (_import_mamba_ssm("ops.triton.ssd_combined").mamba_chunk_scan_combined,),
+    )
     attempt(["causal_conv1d_fn", "causal_conv1d_update"], conv)
     _KERNELS = Kernels(**{name: found.get(name) for name in Kernels._fields[:-1]}, missing=missing)
     return _KERNELS
@@ -206,9 +214,14 @@ def _check_chunked_ssd(kernels: Kernels, x, B, D, h0):
     def rand(*shape):
         return torch.rand(*shape, device=device, generator=g)
 
-    x, B, C = ((rand(*shape) - 0.5).to(dtype) for shape in ((batch, length, heads, head_dim),
-                                                             (batch, length, groups, d_state),
-                                                             (batch, length, groups, d_state)))
+    x, B, C = (
+        (rand(*shape) - 0.5).to(dtype)
+        for shape in (
+            (batch, length, heads, head_dim),
+            (batch, length, groups, d_state),
+            (batch, length, groups, d_state),
+        )
+    )
     dt, A = rand(batch, length, heads) * 0.5, -rand(heads) - 0.1
     D = None if D is None else rand(heads)
     h0 = None if h0 is None else rand(batch, heads, head_dim, d_state)
@@ -300,11 +313,16 @@ def selective_scan(
             return _scan_with_kernel(kernels.selective_scan_fn, u, dt, A, B, C, D, z, h0)
         if kernels.selective_scan_triton is not None:
             if not compiling():
-                logger.info_once("samba-hf: the Mamba scan runs samba-hf's Triton kernel (mamba-ssm's CUDA scan: "
-                                 f"{kernels.missing.get('selective_scan_fn')}; to use that one, {_INSTALL_MAMBA})")
+                logger.info_once(
+                    "samba-hf: the Mamba scan runs samba-hf's Triton kernel (mamba-ssm's CUDA scan: "
+                    f"{kernels.missing.get('selective_scan_fn')}; to use that one, {_INSTALL_MAMBA})"
+                )
             return kernels.selective_scan_triton(u, dt, A, B, C, D, z, h0)
-        _fallback("selective_scan_triton", "the Mamba scan runs in PyTorch, a Python step per token (slow on a GPU)",
-                  _INSTALL_TRITON)
+        _fallback(
+            "selective_scan_triton",
+            "the Mamba scan runs in PyTorch, a Python step per token (slow on a GPU)",
+            _INSTALL_TRITON,
+        )
     elif u.device.type == "cpu" and cpu_scan_available():
         return selective_scan_cpu(u, dt, A, B, C, D, z, h0)
     return selective_scan_pytorch(u, dt, A, B, C, D, z, h0)
@@ -388,9 +406,16 @@ def ssd_scan(
         if kernels.mamba_chunk_scan_combined is not None and not compiling():  # (see selective_scan)
             # dt stays float32 (the kernels read it so; a bf16 copy would round every step)
             y, last = kernels.mamba_chunk_scan_combined(
-                x, dt.float(), A.float(), B.to(x.dtype), C.to(x.dtype), chunk_size,
-                D=None if D is None else D.float(), initial_states=None if h0 is None else h0.float(),
-                dt_softplus=False, return_final_states=True,
+                x,
+                dt.float(),
+                A.float(),
+                B.to(x.dtype),
+                C.to(x.dtype),
+                chunk_size,
+                D=None if D is None else D.float(),
+                initial_states=None if h0 is None else h0.float(),
+                dt_softplus=False,
+                return_final_states=True,
             )
             return y.to(x.dtype), last.float()
         if kernels.ssd_scan_triton is not None:
@@ -399,8 +424,7 @@ def ssd_scan(
                 if results is not None:
                     return results
             return kernels.ssd_scan_triton(x, dt, A, B, C, D, h0)
-        _fallback("ssd_scan_triton", "the Mamba-2 scan runs in PyTorch, a chunk at a time",
-                  _INSTALL_TRITON)
+        _fallback("ssd_scan_triton", "the Mamba-2 scan runs in PyTorch, a chunk at a time", _INSTALL_TRITON)
     return ssd_scan_pytorch(x, dt, A, B, C, D, h0, chunk_size)
 
 
@@ -415,8 +439,13 @@ def _takes_chunked_ssd(x, dt, A, B, C, D, h0) -> bool:
     """Whether a Mamba-2 scan on CUDA takes samba-hf's chunked SSD (see SSD_MIN_TOKENS); asked only where it loaded."""
     from .triton_scan_samba import _wants_gradient
 
-    return (x.shape[1] >= SSD_MIN_TOKENS and x.dtype in (torch.bfloat16, torch.float16)
-            and not _wants_gradient(x, dt, A, B, C, D, h0) and x.dtype not in _CHUNKED_SSD_FAILED and not compiling())
+    return (
+        x.shape[1] >= SSD_MIN_TOKENS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and not _wants_gradient(x, dt, A, B, C, D, h0)
+        and x.dtype not in _CHUNKED_SSD_FAILED
+        and not compiling()
+    )
 
 
 def _chunked_ssd(kernels: Kernels, x, dt, A, B, C, D, h0):
@@ -436,7 +465,8 @@ def _chunked_ssd(kernels: Kernels, x, dt, A, B, C, D, h0):
         logger.warning_once(
             f"samba-hf: the chunked SSD does not run in {x.dtype} here ({type(error).__name__}: "
             f"{str(error).strip()[:300]}); Mamba-2 prompts in it take samba-hf's Triton scan instead (slower, the "
-            "same numbers)")
+            "same numbers)"
+        )
         return None
 
 
@@ -513,7 +543,9 @@ _ZEROS: dict = {}
 
 def _scan_with_kernel(scan_fn, u, dt, A, B, C, D, z, h0):
     """mamba-ssm's `selective_scan_fn`, which starts from a zero state; from `h0`, plus `initial_state_correction`."""
-    # mamba-ssm wants channels before time, u, delta, z (b, d, l) and B, C (b, n, l), all in u's dtype; A and D float32.
+
+    # mamba-ssm wants channels before time, u, delta, z (b, d, l) and B, C (b, n, l), all in u's dtype; A and D
+    # float32.
     def channels_first(x):
         return x.transpose(1, 2).to(u.dtype).contiguous()
 
@@ -606,14 +638,20 @@ def causal_conv(conv1d: nn.Conv1d, window: torch.Tensor, seq_len: int) -> torch.
             if seq_len == 1 and window.shape[-1] >= conv1d.kernel_size[0]:
                 # causal_conv1d_update(x (b, d), conv_state (b, d, >= K - 1)): the state is shifted in place (a copy)
                 state = window[..., :-1].contiguous()
-                return kernels.causal_conv1d_update(window[..., -1], state, weight, conv1d.bias, activation=None)[..., None]
+                return kernels.causal_conv1d_update(window[..., -1], state, weight, conv1d.bias, activation=None)[
+                    ..., None
+                ]
             # causal_conv1d_fn(x (b, d, l), weight (d, K)): zero left padding, every position
             return kernels.causal_conv1d_fn(window.contiguous(), weight, conv1d.bias, activation=None)[..., -seq_len:]
         if kernels.causal_conv_triton is not None and not compiling():  # (compiled: the Conv1d below, by Inductor)
             return kernels.causal_conv_triton(window, weight, conv1d.bias, seq_len)
         if kernels.causal_conv_triton is None:
-            _fallback("causal_conv1d_fn", "the Mamba conv runs as a PyTorch Conv1d (samba-hf's Triton conv is "
-                      f"unavailable too: {kernels.missing.get('causal_conv_triton', 'not installed')})", _INSTALL_CONV)
+            _fallback(
+                "causal_conv1d_fn",
+                "the Mamba conv runs as a PyTorch Conv1d (samba-hf's Triton conv is "
+                f"unavailable too: {kernels.missing.get('causal_conv_triton', 'not installed')})",
+                _INSTALL_CONV,
+            )
     elif plain:
         return depthwise_causal_conv(conv1d.weight[:, 0, :], conv1d.bias, window, seq_len)
     return conv1d(window)[..., : window.shape[-1]][..., -seq_len:]

@@ -13,9 +13,17 @@ its d_inner groups; train it in full with `modules_to_save=["conv1d"]` if it mus
 
 # attention q/k/v/o, SwiGLU gate/up/down (a plain MLP: up/down), Mamba in/x/dt/out projections (Mamba-2: in/out)
 LORA_TARGET_MODULES = [
-    "q_proj", "k_proj", "v_proj", "o_proj",
-    "gate_proj", "up_proj", "down_proj",
-    "in_proj", "x_proj", "dt_proj", "out_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "in_proj",
+    "x_proj",
+    "dt_proj",
+    "out_proj",
 ]
 
 
@@ -32,8 +40,14 @@ def lora_config(r: int = 8, lora_alpha: int | None = None, lora_dropout: float =
             "adapts grouped convs only when the rank is a multiple of d_inner. Leave it out of target_modules, or "
             "train it in full with modules_to_save=['conv1d']."
         )
-    return LoraConfig(r=r, lora_alpha=2 * r if lora_alpha is None else lora_alpha, lora_dropout=lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM", **kwargs)
+    return LoraConfig(
+        r=r,
+        lora_alpha=2 * r if lora_alpha is None else lora_alpha,
+        lora_dropout=lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+        **kwargs,
+    )
 
 
 __all__ = ["LORA_TARGET_MODULES", "lora_config"]

@@ -33,9 +33,23 @@ BLOCK_D = 64  # channels a program
 
 @triton.jit
 def _conv_forward(
-    x_ptr, w_ptr, bias_ptr, out_ptr, window_len, seq_len, d_inner,
-    stride_x_b, stride_x_d, stride_x_t, stride_o_b, stride_o_d, stride_o_t,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    window_len,
+    seq_len,
+    d_inner,
+    stride_x_b,
+    stride_x_d,
+    stride_x_t,
+    stride_o_b,
+    stride_o_d,
+    stride_o_t,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Program (sequence b, block of outputs i, block of channels d): out[b, d, i] for its block."""
     b = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a batch of long windows passes 2**31 elements
@@ -46,21 +60,45 @@ def _conv_forward(
     for k in tl.static_range(K):
         position = window_len - seq_len + i - (K - 1) + k  # the window position tap k reads for output i
         ok = (i_ok & (position >= 0))[:, None] & d_ok[None, :]
-        x = tl.load(x_ptr + b * stride_x_b + position[:, None] * stride_x_t + d[None, :] * stride_x_d, mask=ok,
-                    other=0.0)
+        x = tl.load(
+            x_ptr + b * stride_x_b + position[:, None] * stride_x_t + d[None, :] * stride_x_d, mask=ok, other=0.0
+        )
         w = tl.load(w_ptr + d * K + k, mask=d_ok, other=0.0)
         acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + b * stride_o_b + i[:, None] * stride_o_t + d[None, :] * stride_o_d,
-             acc.to(out_ptr.dtype.element_ty), mask=i_ok[:, None] & d_ok[None, :])
+    tl.store(
+        out_ptr + b * stride_o_b + i[:, None] * stride_o_t + d[None, :] * stride_o_d,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=i_ok[:, None] & d_ok[None, :],
+    )
 
 
 @triton.jit
 def _conv_backward(
-    x_ptr, w_ptr, grad_ptr, grad_x_ptr, grad_w_ptr, grad_bias_ptr, window_len, seq_len, d_inner, blocks,
-    stride_x_b, stride_x_d, stride_x_t, stride_g_b, stride_g_d, stride_g_t, stride_gx_b, stride_gx_d, stride_gx_t,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    grad_ptr,
+    grad_x_ptr,
+    grad_w_ptr,
+    grad_bias_ptr,
+    window_len,
+    seq_len,
+    d_inner,
+    blocks,
+    stride_x_b,
+    stride_x_d,
+    stride_x_t,
+    stride_g_b,
+    stride_g_d,
+    stride_g_t,
+    stride_gx_b,
+    stride_gx_d,
+    stride_gx_t,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Program (sequence b, block j, block of channels d): the window's gradient at positions p of block j, and the
     weight's and the bias's sums over the outputs i of block j, into grad_w[b, j] (K, d_inner) and grad_bias[b, j]."""
@@ -77,18 +115,25 @@ def _conv_backward(
         g = tl.load(grad_ptr + b * stride_g_b + i[:, None] * stride_g_t + d[None, :] * stride_g_d, mask=ok, other=0.0)
         w = tl.load(w_ptr + d * K + k, mask=d_ok, other=0.0)
         acc += g.to(tl.float32) * w.to(tl.float32)[None, :]
-    tl.store(grad_x_ptr + b * stride_gx_b + p[:, None] * stride_gx_t + d[None, :] * stride_gx_d,
-             acc.to(grad_x_ptr.dtype.element_ty), mask=(p < window_len)[:, None] & d_ok[None, :])
+    tl.store(
+        grad_x_ptr + b * stride_gx_b + p[:, None] * stride_gx_t + d[None, :] * stride_gx_d,
+        acc.to(grad_x_ptr.dtype.element_ty),
+        mask=(p < window_len)[:, None] & d_ok[None, :],
+    )
     # the weight's and the bias's: over this block's outputs i (the same indices as p)
     i_ok = p < seq_len
-    g = tl.load(grad_ptr + b * stride_g_b + p[:, None] * stride_g_t + d[None, :] * stride_g_d,
-                mask=i_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    g = tl.load(
+        grad_ptr + b * stride_g_b + p[:, None] * stride_g_t + d[None, :] * stride_g_d,
+        mask=i_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
     partial = (b * blocks + block) * K * d_inner  # grad_w: (batch, blocks, K, d_inner), float32
     for k in tl.static_range(K):
         position = window_len - seq_len + p - (K - 1) + k
         ok = (i_ok & (position >= 0))[:, None] & d_ok[None, :]
-        x = tl.load(x_ptr + b * stride_x_b + position[:, None] * stride_x_t + d[None, :] * stride_x_d, mask=ok,
-                    other=0.0)
+        x = tl.load(
+            x_ptr + b * stride_x_b + position[:, None] * stride_x_t + d[None, :] * stride_x_d, mask=ok, other=0.0
+        )
         tl.store(grad_w_ptr + partial + k * d_inner + d, tl.sum(g * x.to(tl.float32), axis=0), mask=d_ok)
     if HAS_BIAS:
         tl.store(grad_bias_ptr + (b * blocks + block) * d_inner + d, tl.sum(g, axis=0), mask=d_ok)
@@ -99,8 +144,19 @@ def _forward(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = window.new_empty(batch, seq_len, d_inner).transpose(1, 2)  # (batch, d_inner, L), channels contiguous
     grid = (batch, triton.cdiv(seq_len, BLOCK_T), triton.cdiv(d_inner, BLOCK_D))
     _conv_forward[grid](
-        window, weight, bias, out, window_len, seq_len, d_inner, *window.stride(), *out.stride(),
-        K=weight.shape[1], HAS_BIAS=bias is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+        window,
+        weight,
+        bias,
+        out,
+        window_len,
+        seq_len,
+        d_inner,
+        *window.stride(),
+        *out.stride(),
+        K=weight.shape[1],
+        HAS_BIAS=bias is not None,
+        BLOCK_T=BLOCK_T,
+        BLOCK_D=BLOCK_D,
     )
     return out
 
@@ -113,9 +169,23 @@ def _backward(window, weight, bias, grad, seq_len):
     grad_w = window.new_empty(batch, blocks, kernel_size, d_inner, dtype=torch.float32)
     grad_bias = window.new_empty(batch, blocks, d_inner, dtype=torch.float32) if bias is not None else None
     _conv_backward[(batch, blocks, triton.cdiv(d_inner, BLOCK_D))](
-        window, weight, grad, grad_x, grad_w, grad_bias, window_len, seq_len, d_inner, blocks,
-        *window.stride(), *grad.stride(), *grad_x.stride(),
-        K=kernel_size, HAS_BIAS=bias is not None, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+        window,
+        weight,
+        grad,
+        grad_x,
+        grad_w,
+        grad_bias,
+        window_len,
+        seq_len,
+        d_inner,
+        blocks,
+        *window.stride(),
+        *grad.stride(),
+        *grad_x.stride(),
+        K=kernel_size,
+        HAS_BIAS=bias is not None,
+        BLOCK_T=BLOCK_T,
+        BLOCK_D=BLOCK_D,
     )
     grad_weight = grad_w.sum((0, 1)).t().to(weight.dtype)  # (d_inner, K)
     grad_b = grad_bias.sum((0, 1)).to(bias.dtype) if bias is not None else None
@@ -136,8 +206,9 @@ class _TritonCausalConv(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
-def causal_conv_triton(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       seq_len: int) -> torch.Tensor:
+def causal_conv_triton(
+    window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seq_len: int
+) -> torch.Tensor:
     """The depthwise causal conv at the last `seq_len` positions of `window` (batch, d_inner, T), any strides;
     weight (d_inner, K); bias (d_inner,) or None. Returns (batch, d_inner, seq_len) in the window's dtype, laid out
     as a transposed (batch, seq_len, d_inner) tensor. Differentiable in window, weight and bias."""

@@ -80,12 +80,15 @@ def _load_state_rows(ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_b, stride_t, 
     (TILE, BLOCK_D, BLOCK_N)."""
     rows = ptr + b * stride_b + t[:, None, None] * stride_t
     if ONE_GROUP:
-        values = tl.load(rows + group * stride_g + n[None, None, :], mask=t_ok[:, None, None] & n_ok[None, None, :],
-                         other=0.0).to(tl.float32)
+        values = tl.load(
+            rows + group * stride_g + n[None, None, :], mask=t_ok[:, None, None] & n_ok[None, None, :], other=0.0
+        ).to(tl.float32)
     else:
-        values = tl.load(rows + group[None, :, None] * stride_g + n[None, None, :],
-                         mask=t_ok[:, None, None] & (d_ok[:, None] & n_ok[None, :])[None, :, :],
-                         other=0.0).to(tl.float32)
+        values = tl.load(
+            rows + group[None, :, None] * stride_g + n[None, None, :],
+            mask=t_ok[:, None, None] & (d_ok[:, None] & n_ok[None, :])[None, :, :],
+            other=0.0,
+        ).to(tl.float32)
     return values
 
 
@@ -115,8 +118,18 @@ def _scan_tile(decay, step, before, TILE: tl.constexpr, BLOCK_D: tl.constexpr, B
 
 
 @triton.jit
-def _carry_tile(grad, C, dt, dt_after, A, carry, A_PER_HEAD: tl.constexpr, TILE: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _carry_tile(
+    grad,
+    C,
+    dt,
+    dt_after,
+    A,
+    carry,
+    A_PER_HEAD: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The backward's step over a tile read from its last token (row i: token last - i): the gradient of the state
     after each token, carry_t = grad_t C_t + exp(dt_{t+1} A) carry_{t+1}, from `carry` coming in after the tile
     (dt_after: each token's next one's step, 0 after the tile's last, whose carry comes in whole); the tile's decays
@@ -164,13 +177,48 @@ def _decay(dt, A, A_PER_HEAD: tl.constexpr):
 
 @triton.jit
 def _scan_forward(
-    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, h0_ptr, y_ptr, h_ptr, checkpoints_ptr, elapsed_ptr,
-    seq_len, d_inner, d_state, channels_per_group, segment_len,
-    stride_u_b, stride_u_t, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
-    stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_y_b, stride_y_t,
-    HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_H0: tl.constexpr, KEEP_CHECKPOINTS: tl.constexpr,
-    SEGMENTED: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    u_ptr,
+    dt_ptr,
+    A_ptr,
+    B_ptr,
+    C_ptr,
+    D_ptr,
+    z_ptr,
+    h0_ptr,
+    y_ptr,
+    h_ptr,
+    checkpoints_ptr,
+    elapsed_ptr,
+    seq_len,
+    d_inner,
+    d_state,
+    channels_per_group,
+    segment_len,
+    stride_u_b,
+    stride_u_t,
+    stride_dt_b,
+    stride_dt_t,
+    stride_B_b,
+    stride_B_t,
+    stride_B_g,
+    stride_C_b,
+    stride_C_t,
+    stride_C_g,
+    stride_z_b,
+    stride_z_t,
+    stride_y_b,
+    stride_y_t,
+    HEAD_DIM: tl.constexpr,
+    A_PER_HEAD: tl.constexpr,
+    ONE_GROUP: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    KEEP_CHECKPOINTS: tl.constexpr,
+    SEGMENTED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     TILE: tl.constexpr,
 ):
     """Program (sequence b, channel block, segment s) scans tokens [s * segment_len, (s + 1) * segment_len), from h0
@@ -209,10 +257,12 @@ def _scan_forward(
             t_ok = t < chunk_end
             u = _load_rows(u_ptr, b, t, t_ok, d, d_ok, stride_u_b, stride_u_t, 1)  # (TILE, BLOCK_D)
             dt = _load_rows(dt_ptr, b, t, t_ok, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
-            B = _load_state_rows(B_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g,
-                                 ONE_GROUP)  # (TILE, 1 or BLOCK_D, BLOCK_N)
-            C = _load_state_rows(C_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g,
-                                 ONE_GROUP)
+            B = _load_state_rows(
+                B_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g, ONE_GROUP
+            )  # (TILE, 1 or BLOCK_D, BLOCK_N)
+            C = _load_state_rows(
+                C_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP
+            )
             states = _scan_tile(_decays(dt, A, A_PER_HEAD), (dt * u)[:, :, None] * B, h, TILE, BLOCK_D, BLOCK_N)
             h = _last(states, TILE)
             if SEGMENTED:
@@ -223,8 +273,11 @@ def _scan_forward(
             if HAS_Z:
                 z = _load_rows(z_ptr, b, t, t_ok, d, d_ok, stride_z_b, stride_z_t, 1)
                 y *= z * tl.sigmoid(z)
-            tl.store(y_ptr + b * stride_y_b + t[:, None] * stride_y_t + d[None, :], y.to(y_ptr.dtype.element_ty),
-                     mask=t_ok[:, None] & d_ok[None, :])
+            tl.store(
+                y_ptr + b * stride_y_b + t[:, None] * stride_y_t + d[None, :],
+                y.to(y_ptr.dtype.element_ty),
+                mask=t_ok[:, None] & d_ok[None, :],
+            )
     segments = tl.num_programs(2)
     tl.store(h_ptr + (b * segments + segment) * d_inner * d_state + dn, h, mask=dn_ok)
     if SEGMENTED:
@@ -233,8 +286,18 @@ def _scan_forward(
 
 @triton.jit
 def _join_segments(
-    A_ptr, ends_ptr, elapsed_ptr, starts_ptr, h_ptr, segments, d_inner, d_state,
-    HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    A_ptr,
+    ends_ptr,
+    elapsed_ptr,
+    starts_ptr,
+    h_ptr,
+    segments,
+    d_inner,
+    d_state,
+    HEAD_DIM: tl.constexpr,
+    A_PER_HEAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """The true state at each segment's start, in order: start[s] = exp(A elapsed[s-1]) start[s-1] + end[s-1] (the
     recurrence is linear in the state), into starts (batch, segments, channels, d_state); the last state into h."""
@@ -256,11 +319,35 @@ def _join_segments(
 
 @triton.jit
 def _correct_segments(
-    dt_ptr, A_ptr, C_ptr, z_ptr, starts_ptr, y_ptr, checkpoints_ptr,
-    seq_len, d_inner, d_state, channels_per_group, segment_len,
-    stride_dt_b, stride_dt_t, stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_y_b, stride_y_t,
-    HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_Z: tl.constexpr,
-    KEEP_CHECKPOINTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    dt_ptr,
+    A_ptr,
+    C_ptr,
+    z_ptr,
+    starts_ptr,
+    y_ptr,
+    checkpoints_ptr,
+    seq_len,
+    d_inner,
+    d_state,
+    channels_per_group,
+    segment_len,
+    stride_dt_b,
+    stride_dt_t,
+    stride_C_b,
+    stride_C_t,
+    stride_C_g,
+    stride_z_b,
+    stride_z_t,
+    stride_y_b,
+    stride_y_t,
+    HEAD_DIM: tl.constexpr,
+    A_PER_HEAD: tl.constexpr,
+    ONE_GROUP: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    KEEP_CHECKPOINTS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     TILE: tl.constexpr,
 ):
     """y_t += <g_t, C_t> (gated) over segment s + 1, where g starts at the segment's true starting state and decays
@@ -303,14 +390,56 @@ def _correct_segments(
 
 @triton.jit
 def _scan_backward(
-    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, checkpoints_ptr, scratch_ptr, grad_y_ptr, carry_in_ptr,
-    grad_u_ptr, grad_dt_ptr, grad_A_ptr, grad_B_ptr, grad_C_ptr, grad_D_ptr, grad_z_ptr, grad_h0_ptr,
-    seq_len, d_inner, d_state, channels_per_group, groups, segment_len,
-    stride_u_b, stride_u_t, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
-    stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_gy_b, stride_gy_t, stride_g_b, stride_g_t,
-    HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
+    u_ptr,
+    dt_ptr,
+    A_ptr,
+    B_ptr,
+    C_ptr,
+    D_ptr,
+    z_ptr,
+    checkpoints_ptr,
+    scratch_ptr,
+    grad_y_ptr,
+    carry_in_ptr,
+    grad_u_ptr,
+    grad_dt_ptr,
+    grad_A_ptr,
+    grad_B_ptr,
+    grad_C_ptr,
+    grad_D_ptr,
+    grad_z_ptr,
+    grad_h0_ptr,
+    seq_len,
+    d_inner,
+    d_state,
+    channels_per_group,
+    groups,
+    segment_len,
+    stride_u_b,
+    stride_u_t,
+    stride_dt_b,
+    stride_dt_t,
+    stride_B_b,
+    stride_B_t,
+    stride_B_g,
+    stride_C_b,
+    stride_C_t,
+    stride_C_g,
+    stride_z_b,
+    stride_z_t,
+    stride_gy_b,
+    stride_gy_t,
+    stride_g_b,
+    stride_g_t,
+    HEAD_DIM: tl.constexpr,
+    A_PER_HEAD: tl.constexpr,
+    ONE_GROUP: tl.constexpr,
+    HAS_D: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     """Gradients, per program (sequence b, channel block, segment s of segment_len tokens, whole chunks), from the
     gradient of the state after the segment's last token, carry_in[b, s] ((batch, segments, channels, d_state):
@@ -355,12 +484,16 @@ def _scan_backward(
             t_ok = t < end
             u = _load_rows(u_ptr, b, t, t_ok, d, d_ok, stride_u_b, stride_u_t, 1)
             dt = _load_rows(dt_ptr, b, t, t_ok, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
-            B = _load_state_rows(B_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g,
-                                 ONE_GROUP)
+            B = _load_state_rows(
+                B_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g, ONE_GROUP
+            )
             states = _scan_tile(_decays(dt, A, A_PER_HEAD), (dt * u)[:, :, None] * B, h, TILE, BLOCK_D, BLOCK_N)
             h = _last(states, TILE)
-            tl.store(scratch + (t - start + 1)[:, None, None] * BLOCK_D * BLOCK_N + local[None, :, :], states,
-                     mask=t_ok[:, None, None])
+            tl.store(
+                scratch + (t - start + 1)[:, None, None] * BLOCK_D * BLOCK_N + local[None, :, :],
+                states,
+                mask=t_ok[:, None, None],
+            )
         tl.debug_barrier()
         # then back through the chunk a tile at a time, each tile's tokens from its last (row i: token last - i),
         # so that the gradient of the state, carry_t = grad_y_t C_t + exp(dt_{t+1} A) carry_{t+1}, is an
@@ -372,13 +505,17 @@ def _scan_backward(
             t_ok = t < end
             u = _load_rows(u_ptr, b, t, t_ok, d, d_ok, stride_u_b, stride_u_t, 1)  # (TILE, BLOCK_D)
             dt = _load_rows(dt_ptr, b, t, t_ok, d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM)
-            B = _load_state_rows(B_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g,
-                                 ONE_GROUP)
-            C = _load_state_rows(C_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g,
-                                 ONE_GROUP)
+            B = _load_state_rows(
+                B_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_B_b, stride_B_t, stride_B_g, ONE_GROUP
+            )
+            C = _load_state_rows(
+                C_ptr, b, t, t_ok, group, n, d_ok, n_ok, stride_C_b, stride_C_t, stride_C_g, ONE_GROUP
+            )
             grad = _load_rows(grad_y_ptr, b, t, t_ok, d, d_ok, stride_gy_b, stride_gy_t, 1)
             rows = (t - start)[:, None, None] * BLOCK_D * BLOCK_N + local[None, :, :]
-            h_before = tl.load(scratch + rows, mask=t_ok[:, None, None], other=0.0)  # h_{t-1}: (TILE, BLOCK_D, BLOCK_N)
+            h_before = tl.load(
+                scratch + rows, mask=t_ok[:, None, None], other=0.0
+            )  # h_{t-1}: (TILE, BLOCK_D, BLOCK_N)
             h_after = tl.load(scratch + rows + BLOCK_D * BLOCK_N, mask=t_ok[:, None, None], other=0.0)  # h_t
             if HAS_Z:  # y = s * silu(z), s the output before the gate
                 z = _load_rows(z_ptr, b, t, t_ok, d, d_ok, stride_z_b, stride_z_t, 1)
@@ -386,17 +523,34 @@ def _scan_backward(
                 if HAS_D:
                     s += D[None, :] * u
                 sig = tl.sigmoid(z)
-                tl.store(grad_z_ptr + b * stride_g_b + t[:, None] * stride_g_t + d[None, :],
-                         grad * s * sig * (1.0 + z * (1.0 - sig)), mask=t_ok[:, None] & d_ok[None, :])
+                tl.store(
+                    grad_z_ptr + b * stride_g_b + t[:, None] * stride_g_t + d[None, :],
+                    grad * s * sig * (1.0 + z * (1.0 - sig)),
+                    mask=t_ok[:, None] & d_ok[None, :],
+                )
                 grad = grad * z * sig  # the gradient of s
             if HAS_D:
                 grad_D += tl.sum(grad * u, axis=0)
-            _add_tile_over_channels(grad_C_ptr, h_after * grad[:, :, None], b, t, t_ok, group, n, d_ok, n_ok, seq_len,
-                                    groups, d_state, ONE_GROUP)
+            _add_tile_over_channels(
+                grad_C_ptr,
+                h_after * grad[:, :, None],
+                b,
+                t,
+                t_ok,
+                group,
+                n,
+                d_ok,
+                n_ok,
+                seq_len,
+                groups,
+                d_state,
+                ONE_GROUP,
+            )
             # the decay of the token after each (1 after the tile's last: the carry from there comes in whole)
             after = t + 1
-            dt_after = _load_rows(dt_ptr, b, after, (after <= last) & (after < end), d, d_ok, stride_dt_b,
-                                  stride_dt_t, HEAD_DIM)
+            dt_after = _load_rows(
+                dt_ptr, b, after, (after <= last) & (after < end), d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM
+            )
             # carries: the gradient of h_t; carry: of the state before the tile's first token
             carries, decay, carry = _carry_tile(grad, C, dt, dt_after, A, carry, A_PER_HEAD, TILE, BLOCK_D, BLOCK_N)
             from_decay = tl.where(dn_ok[None, :, :], carries * decay * h_before, 0.0)  # d/d(dt A) of decay h_{t-1}
@@ -413,8 +567,21 @@ def _scan_backward(
             rows_ok = t_ok[:, None] & d_ok[None, :]
             tl.store(grad_u_ptr + b * stride_g_b + t[:, None] * stride_g_t + d[None, :], grad_u, mask=rows_ok)
             tl.store(grad_dt_ptr + b * stride_g_b + t[:, None] * stride_g_t + d[None, :], grad_dt, mask=rows_ok)
-            _add_tile_over_channels(grad_B_ptr, carries * (dt * u)[:, :, None], b, t, t_ok, group, n, d_ok, n_ok,
-                                    seq_len, groups, d_state, ONE_GROUP)
+            _add_tile_over_channels(
+                grad_B_ptr,
+                carries * (dt * u)[:, :, None],
+                b,
+                t,
+                t_ok,
+                group,
+                n,
+                d_ok,
+                n_ok,
+                seq_len,
+                groups,
+                d_state,
+                ONE_GROUP,
+            )
         tl.debug_barrier()
     if segment == 0:
         tl.store(grad_h0_ptr + b * d_inner * d_state + dn, carry, mask=dn_ok)
@@ -428,11 +595,34 @@ def _scan_backward(
 
 @triton.jit
 def _carry_segments(
-    dt_ptr, A_ptr, C_ptr, z_ptr, grad_y_ptr, ends_ptr, elapsed_ptr,
-    seq_len, d_inner, d_state, channels_per_group, segment_len,
-    stride_dt_b, stride_dt_t, stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t, stride_gy_b, stride_gy_t,
-    HEAD_DIM: tl.constexpr, A_PER_HEAD: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_Z: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
+    dt_ptr,
+    A_ptr,
+    C_ptr,
+    z_ptr,
+    grad_y_ptr,
+    ends_ptr,
+    elapsed_ptr,
+    seq_len,
+    d_inner,
+    d_state,
+    channels_per_group,
+    segment_len,
+    stride_dt_b,
+    stride_dt_t,
+    stride_C_b,
+    stride_C_t,
+    stride_C_g,
+    stride_z_b,
+    stride_z_t,
+    stride_gy_b,
+    stride_gy_t,
+    HEAD_DIM: tl.constexpr,
+    A_PER_HEAD: tl.constexpr,
+    ONE_GROUP: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     """For a segmented backward, program (sequence b, channel block, segment s = 1, 2, ...): the gradient of the
     state before the segment's first token that its own outputs give, from zero after its last token (the adjoint
@@ -466,8 +656,9 @@ def _carry_segments(
             z = _load_rows(z_ptr, b, t, t_ok, d, d_ok, stride_z_b, stride_z_t, 1)
             grad = grad * z * tl.sigmoid(z)  # the gradient of the output before the gate
         after = t + 1
-        dt_after = _load_rows(dt_ptr, b, after, (after <= last) & (after < end), d, d_ok, stride_dt_b, stride_dt_t,
-                              HEAD_DIM)
+        dt_after = _load_rows(
+            dt_ptr, b, after, (after <= last) & (after < end), d, d_ok, stride_dt_b, stride_dt_t, HEAD_DIM
+        )
         _, _, carry = _carry_tile(grad, C, dt, dt_after, A, carry, A_PER_HEAD, TILE, BLOCK_D, BLOCK_N)
         elapsed += tl.sum(dt, axis=0)
     slot = segments - segment
@@ -476,26 +667,61 @@ def _carry_segments(
 
 
 @triton.jit
-def _add_tile_over_channels(grad_ptr, values, b, t, t_ok, group, n, d_ok, n_ok, seq_len, groups, d_state,
-                            ONE_GROUP: tl.constexpr):
+def _add_tile_over_channels(
+    grad_ptr, values, b, t, t_ok, group, n, d_ok, n_ok, seq_len, groups, d_state, ONE_GROUP: tl.constexpr
+):
     """grad[b, t, group(channel), :] += values[t, channel, :] for tokens t (where t_ok) and the block's channels
     (grad: (batch, seq, groups, d_state), float32; atomically, as other programs add theirs)."""
     rows = grad_ptr + ((b * seq_len + t) * groups) * d_state  # (TILE,)
     if ONE_GROUP:
-        tl.atomic_add(rows[:, None] + group * d_state + n[None, :], tl.sum(tl.where(d_ok[None, :, None], values, 0.0),
-                      axis=1), mask=t_ok[:, None] & n_ok[None, :])
+        tl.atomic_add(
+            rows[:, None] + group * d_state + n[None, :],
+            tl.sum(tl.where(d_ok[None, :, None], values, 0.0), axis=1),
+            mask=t_ok[:, None] & n_ok[None, :],
+        )
     else:
-        tl.atomic_add(rows[:, None, None] + group[None, :, None] * d_state + n[None, None, :], values,
-                      mask=t_ok[:, None, None] & (d_ok[:, None] & n_ok[None, :])[None, :, :])
+        tl.atomic_add(
+            rows[:, None, None] + group[None, :, None] * d_state + n[None, None, :],
+            values,
+            mask=t_ok[:, None, None] & (d_ok[:, None] & n_ok[None, :])[None, :, :],
+        )
 
 
 @triton.jit
 def _ssd_chunked_forward(
-    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, h0_ptr, y_ptr, h_ptr,
-    seq_len, heads, head_dim, d_state, heads_per_group,
-    stride_x_b, stride_x_t, stride_x_h, stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
-    stride_C_b, stride_C_t, stride_C_g, stride_y_b, stride_y_t, stride_y_h,
-    HAS_D: tl.constexpr, HAS_H0: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr,
+    dt_ptr,
+    A_ptr,
+    B_ptr,
+    C_ptr,
+    D_ptr,
+    h0_ptr,
+    y_ptr,
+    h_ptr,
+    seq_len,
+    heads,
+    head_dim,
+    d_state,
+    heads_per_group,
+    stride_x_b,
+    stride_x_t,
+    stride_x_h,
+    stride_dt_b,
+    stride_dt_t,
+    stride_B_b,
+    stride_B_t,
+    stride_B_g,
+    stride_C_b,
+    stride_C_t,
+    stride_C_g,
+    stride_y_b,
+    stride_y_t,
+    stride_y_h,
+    HAS_D: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Mamba-2's SSD for inference in its chunked matrix form (`ssm_samba.ssd_scan_pytorch`'s), the products on
     the tensor cores. Program (sequence b, head h, block of BLOCK_P of its channels) walks the chunks of CHUNK tokens
@@ -526,14 +752,23 @@ def _ssd_chunked_forward(
     for start in range(0, seq_len, CHUNK):
         t = start + i
         t_ok = t < seq_len
-        x = tl.load(x_ptr + b * stride_x_b + t[:, None] * stride_x_t + head * stride_x_h + p[None, :],
-                    mask=t_ok[:, None] & p_ok[None, :], other=0.0)  # (CHUNK, BLOCK_P)
+        x = tl.load(
+            x_ptr + b * stride_x_b + t[:, None] * stride_x_t + head * stride_x_h + p[None, :],
+            mask=t_ok[:, None] & p_ok[None, :],
+            other=0.0,
+        )  # (CHUNK, BLOCK_P)
         dt = tl.load(dt_ptr + b * stride_dt_b + t * stride_dt_t + head, mask=t_ok, other=0.0).to(tl.float32)
         state_rows = t_ok[:, None] & n_ok[None, :]
-        B = tl.load(B_ptr + b * stride_B_b + t[:, None] * stride_B_t + group * stride_B_g + n[None, :],
-                    mask=state_rows, other=0.0).to(dot_dtype)  # (CHUNK, BLOCK_N)
-        C = tl.load(C_ptr + b * stride_C_b + t[:, None] * stride_C_t + group * stride_C_g + n[None, :],
-                    mask=state_rows, other=0.0).to(dot_dtype)
+        B = tl.load(
+            B_ptr + b * stride_B_b + t[:, None] * stride_B_t + group * stride_B_g + n[None, :],
+            mask=state_rows,
+            other=0.0,
+        ).to(dot_dtype)  # (CHUNK, BLOCK_N)
+        C = tl.load(
+            C_ptr + b * stride_C_b + t[:, None] * stride_C_t + group * stride_C_g + n[None, :],
+            mask=state_rows,
+            other=0.0,
+        ).to(dot_dtype)
         cum = tl.cumsum(dt * A, axis=0)  # (CHUNK,); a token past the end adds 0
         cum_last = tl.sum(tl.where(i == CHUNK - 1, cum, 0.0), axis=0)
         # within the chunk: (C B^T, masked to j <= i and decayed) x
@@ -545,8 +780,11 @@ def _ssd_chunked_forward(
         y += tl.dot(C, tl.trans(S.to(dot_dtype))) * tl.exp(cum)[:, None]
         if HAS_D:
             y += D * x.to(tl.float32)
-        tl.store(y_ptr + b * stride_y_b + t[:, None] * stride_y_t + head * stride_y_h + p[None, :],
-                 y.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & p_ok[None, :])
+        tl.store(
+            y_ptr + b * stride_y_b + t[:, None] * stride_y_t + head * stride_y_h + p[None, :],
+            y.to(y_ptr.dtype.element_ty),
+            mask=t_ok[:, None] & p_ok[None, :],
+        )
         # the state after the chunk
         inputs = (x.to(tl.float32) * (tl.exp(cum_last - cum) * dt)[:, None]).to(dot_dtype)  # (CHUNK, BLOCK_P)
         S = S * tl.exp(cum_last) + tl.dot(tl.trans(inputs), B)
@@ -574,8 +812,14 @@ class _Layout:
         return min(self.tile, triton.next_power_of_2(seq_len))
 
     def constants(self):
-        return dict(HEAD_DIM=self.head_dim, A_PER_HEAD=self.a_per_head, ONE_GROUP=self.one_group, CHUNK=CHUNK,
-                    BLOCK_D=self.block_d, BLOCK_N=self.block_n)
+        return dict(
+            HEAD_DIM=self.head_dim,
+            A_PER_HEAD=self.a_per_head,
+            ONE_GROUP=self.one_group,
+            CHUNK=CHUNK,
+            BLOCK_D=self.block_d,
+            BLOCK_N=self.block_n,
+        )
 
 
 def _strides(x, n):
@@ -615,28 +859,76 @@ def _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints: bool):
     y = torch.empty_like(u, dtype=torch.float32 if segments > 1 else u.dtype)
     ends = u.new_empty(batch, segments, d_inner, d_state, dtype=torch.float32)
     elapsed = u.new_empty(batch, segments, d_inner, dtype=torch.float32) if segments > 1 else None
-    checkpoints = (u.new_empty(batch, triton.cdiv(seq_len, CHUNK), d_inner, d_state, dtype=torch.float32)
-                   if keep_checkpoints else None)
+    checkpoints = (
+        u.new_empty(batch, triton.cdiv(seq_len, CHUNK), d_inner, d_state, dtype=torch.float32)
+        if keep_checkpoints
+        else None
+    )
     _scan_forward[(batch, layout.blocks, segments)](
-        u, dt, A, B, C, D, z, h0, y, ends, checkpoints, elapsed,
-        seq_len, d_inner, d_state, layout.channels_per_group, segment_len,
-        *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2), *_strides(y, 2),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_H0=h0 is not None, KEEP_CHECKPOINTS=keep_checkpoints,
-        SEGMENTED=segments > 1, **layout.constants(), TILE=layout.tile_for(min(segment_len, seq_len)),
+        u,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        z,
+        h0,
+        y,
+        ends,
+        checkpoints,
+        elapsed,
+        seq_len,
+        d_inner,
+        d_state,
+        layout.channels_per_group,
+        segment_len,
+        *_strides(u, 2),
+        *_strides(dt, 2),
+        *_strides(B, 3),
+        *_strides(C, 3),
+        *_strides(z, 2),
+        *_strides(y, 2),
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        HAS_H0=h0 is not None,
+        KEEP_CHECKPOINTS=keep_checkpoints,
+        SEGMENTED=segments > 1,
+        **layout.constants(),
+        TILE=layout.tile_for(min(segment_len, seq_len)),
         num_warps=NUM_WARPS,
     )
     if segments == 1:
         return y, ends[:, 0], checkpoints
     h = u.new_empty(batch, d_inner, d_state, dtype=torch.float32)
     starts = torch.empty_like(ends)
-    constants = dict(HEAD_DIM=layout.head_dim, A_PER_HEAD=layout.a_per_head, BLOCK_D=layout.block_d,
-                     BLOCK_N=layout.block_n)
+    constants = dict(
+        HEAD_DIM=layout.head_dim, A_PER_HEAD=layout.a_per_head, BLOCK_D=layout.block_d, BLOCK_N=layout.block_n
+    )
     _join_segments[(batch, layout.blocks)](A, ends, elapsed, starts, h, segments, d_inner, d_state, **constants)
     _correct_segments[(batch, layout.blocks, segments - 1)](
-        dt, A, C, z, starts, y, checkpoints, seq_len, d_inner, d_state, layout.channels_per_group, segment_len,
-        *_strides(dt, 2), *_strides(C, 3), *_strides(z, 2), *_strides(y, 2),
-        ONE_GROUP=layout.one_group, HAS_Z=z is not None, KEEP_CHECKPOINTS=keep_checkpoints, CHUNK=CHUNK,
-        TILE=layout.tile_for(min(segment_len, seq_len)), **constants, num_warps=NUM_WARPS,
+        dt,
+        A,
+        C,
+        z,
+        starts,
+        y,
+        checkpoints,
+        seq_len,
+        d_inner,
+        d_state,
+        layout.channels_per_group,
+        segment_len,
+        *_strides(dt, 2),
+        *_strides(C, 3),
+        *_strides(z, 2),
+        *_strides(y, 2),
+        ONE_GROUP=layout.one_group,
+        HAS_Z=z is not None,
+        KEEP_CHECKPOINTS=keep_checkpoints,
+        CHUNK=CHUNK,
+        TILE=layout.tile_for(min(segment_len, seq_len)),
+        **constants,
+        num_warps=NUM_WARPS,
     )
     return y.to(u.dtype), h, checkpoints
 
@@ -652,17 +944,36 @@ def _backward_carries(layout, dt, A, C, z, grad_y, grad_h, segments: int, segmen
     if segments == 1:
         return ends
     elapsed = torch.empty(batch, segments, d_inner, **f32)
-    constants = dict(HEAD_DIM=layout.head_dim, A_PER_HEAD=layout.a_per_head, BLOCK_D=layout.block_d,
-                     BLOCK_N=layout.block_n)
+    constants = dict(
+        HEAD_DIM=layout.head_dim, A_PER_HEAD=layout.a_per_head, BLOCK_D=layout.block_d, BLOCK_N=layout.block_n
+    )
     _carry_segments[(batch, layout.blocks, segments - 1)](
-        dt, A, C, z, grad_y, ends, elapsed, seq_len, d_inner, layout.d_state, layout.channels_per_group, segment_len,
-        *_strides(dt, 2), *_strides(C, 3), *_strides(z, 2), *_strides(grad_y, 2),
-        ONE_GROUP=layout.one_group, HAS_Z=z is not None, TILE=layout.tile_for(min(segment_len, seq_len)), **constants,
+        dt,
+        A,
+        C,
+        z,
+        grad_y,
+        ends,
+        elapsed,
+        seq_len,
+        d_inner,
+        layout.d_state,
+        layout.channels_per_group,
+        segment_len,
+        *_strides(dt, 2),
+        *_strides(C, 3),
+        *_strides(z, 2),
+        *_strides(grad_y, 2),
+        ONE_GROUP=layout.one_group,
+        HAS_Z=z is not None,
+        TILE=layout.tile_for(min(segment_len, seq_len)),
+        **constants,
         num_warps=NUM_WARPS,
     )
     starts, first = torch.empty_like(ends), torch.empty(batch, d_inner, layout.d_state, **f32)
-    _join_segments[(batch, layout.blocks)](A, ends, elapsed, starts, first, segments, d_inner, layout.d_state,
-                                           **constants)
+    _join_segments[(batch, layout.blocks)](
+        A, ends, elapsed, starts, first, segments, d_inner, layout.d_state, **constants
+    )
     # slot k of starts holds what flows into segment S - k; the first segment's is the join's last state
     return torch.cat([first[:, None], starts[:, 1:].flip(1)], dim=1)
 
@@ -688,13 +999,43 @@ def _backward(layout, u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h):
     grad_h0 = torch.empty(batch, d_inner, d_state, **f32)
     scratch = torch.empty(batch * layout.blocks * segments * (CHUNK + 1) * layout.block_d * layout.block_n, **f32)
     _scan_backward[(batch, layout.blocks, segments)](
-        u, dt, A, B, C, D, z, checkpoints, scratch, grad_y, carry_in,
-        grad_u, grad_dt, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0,
-        seq_len, d_inner, d_state, layout.channels_per_group, layout.groups, segment_len,
-        *_strides(u, 2), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3), *_strides(z, 2),
-        *_strides(grad_y, 2), *_strides(grad_u, 2),  # grad_u, grad_dt and grad_z: contiguous (batch, seq, channels)
-        HAS_D=D is not None, HAS_Z=z is not None, **layout.constants(),
-        TILE=layout.tile_for(min(segment_len, seq_len)), num_warps=NUM_WARPS,
+        u,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        z,
+        checkpoints,
+        scratch,
+        grad_y,
+        carry_in,
+        grad_u,
+        grad_dt,
+        grad_A,
+        grad_B,
+        grad_C,
+        grad_D,
+        grad_z,
+        grad_h0,
+        seq_len,
+        d_inner,
+        d_state,
+        layout.channels_per_group,
+        layout.groups,
+        segment_len,
+        *_strides(u, 2),
+        *_strides(dt, 2),
+        *_strides(B, 3),
+        *_strides(C, 3),
+        *_strides(z, 2),
+        *_strides(grad_y, 2),
+        *_strides(grad_u, 2),  # grad_u, grad_dt and grad_z: contiguous (batch, seq, channels)
+        HAS_D=D is not None,
+        HAS_Z=z is not None,
+        **layout.constants(),
+        TILE=layout.tile_for(min(segment_len, seq_len)),
+        num_warps=NUM_WARPS,
     )
     heads = d_inner // layout.head_dim
     grad_A, grad_D = grad_A.sum((0, 1)), None if D is None else grad_D.sum((0, 1))
@@ -738,9 +1079,20 @@ def _operator():
     Tensor, OptionalTensor = torch.Tensor, typing.Optional[torch.Tensor]
 
     @torch.library.custom_op("samba_hf::scan_triton", mutates_args=())
-    def scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: OptionalTensor, z: OptionalTensor,
-             h0: OptionalTensor, head_dim: int, groups: int, a_per_head: bool,
-             keep_checkpoints: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def scan(
+        u: Tensor,
+        dt: Tensor,
+        A: Tensor,
+        B: Tensor,
+        C: Tensor,
+        D: OptionalTensor,
+        z: OptionalTensor,
+        h0: OptionalTensor,
+        head_dim: int,
+        groups: int,
+        a_per_head: bool,
+        keep_checkpoints: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         layout = _Layout(u.shape[-1], B.shape[-1], head_dim, groups, a_per_head)
         y, h, checkpoints = _forward(layout, u, dt, A, B, C, D, z, h0, keep_checkpoints)
         return y, h.clone() if h._base is not None else h, checkpoints if keep_checkpoints else u.new_empty(0)
@@ -750,27 +1102,50 @@ def _operator():
         batch, seq_len, d_inner = u.shape
         d_state = B.shape[-1]
         checkpoints = (batch, -(-seq_len // CHUNK), d_inner, d_state) if keep_checkpoints else (0,)
-        return (u.new_empty(u.shape), u.new_empty(batch, d_inner, d_state, dtype=torch.float32),
-                u.new_empty(checkpoints, dtype=torch.float32))
+        return (
+            u.new_empty(u.shape),
+            u.new_empty(batch, d_inner, d_state, dtype=torch.float32),
+            u.new_empty(checkpoints, dtype=torch.float32),
+        )
 
     @torch.library.custom_op("samba_hf::scan_triton_backward", mutates_args=())
-    def scan_backward(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: OptionalTensor,
-                      z: OptionalTensor, checkpoints: Tensor, grad_y: Tensor, grad_h: OptionalTensor, head_dim: int,
-                      groups: int, a_per_head: bool) -> list[Tensor]:
+    def scan_backward(
+        u: Tensor,
+        dt: Tensor,
+        A: Tensor,
+        B: Tensor,
+        C: Tensor,
+        D: OptionalTensor,
+        z: OptionalTensor,
+        checkpoints: Tensor,
+        grad_y: Tensor,
+        grad_h: OptionalTensor,
+        head_dim: int,
+        groups: int,
+        a_per_head: bool,
+    ) -> list[Tensor]:
         layout = _Layout(u.shape[-1], B.shape[-1], head_dim, groups, a_per_head)
         if checkpoints.numel() == 0:  # the forward kept none (reading them would read past the empty tensor)
-            raise RuntimeError("samba_hf::scan_triton was run with keep_checkpoints=False: nothing to differentiate; "
-                               "call it with keep_checkpoints=True where gradients are needed")
+            raise RuntimeError(
+                "samba_hf::scan_triton was run with keep_checkpoints=False: nothing to differentiate; "
+                "call it with keep_checkpoints=True where gradients are needed"
+            )
         grads = _backward(layout, u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h)
         return [u.new_empty(0) if grad is None else grad for grad in grads]  # an operator returns no None
 
     @scan_backward.register_fake
     def _(u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h, head_dim, groups, a_per_head):
         absent = u.new_empty(0)
-        return [u.new_empty(u.shape), dt.new_empty(dt.shape), A.new_empty(A.shape), B.new_empty(B.shape),
-                C.new_empty(C.shape), absent if D is None else D.new_empty(D.shape),
-                absent if z is None else z.new_empty(z.shape),
-                u.new_empty(u.shape[0], u.shape[-1], B.shape[-1], dtype=torch.float32)]
+        return [
+            u.new_empty(u.shape),
+            dt.new_empty(dt.shape),
+            A.new_empty(A.shape),
+            B.new_empty(B.shape),
+            C.new_empty(C.shape),
+            absent if D is None else D.new_empty(D.shape),
+            absent if z is None else z.new_empty(z.shape),
+            u.new_empty(u.shape[0], u.shape[-1], B.shape[-1], dtype=torch.float32),
+        ]
 
     def setup_context(ctx, inputs, output):
         u, dt, A, B, C, D, z, h0, head_dim, groups, a_per_head, _ = inputs
@@ -838,8 +1213,15 @@ def _ssd_blocks(head_dim: int, d_state: int) -> tuple[int, int]:
 def ssd_chunked_variant(x, B, D, h0) -> tuple:
     """What a call's compiled chunked SSD depends on: the dtype and device, the chunk, block sizes and warps, whether
     D and h0 come."""
-    return (x.dtype, x.device, SSD_CHUNK, *_ssd_blocks(x.shape[3], B.shape[3]), SSD_NUM_WARPS, D is not None,
-            h0 is not None)
+    return (
+        x.dtype,
+        x.device,
+        SSD_CHUNK,
+        *_ssd_blocks(x.shape[3], B.shape[3]),
+        SSD_NUM_WARPS,
+        D is not None,
+        h0 is not None,
+    )
 
 
 def ssd_chunked_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -852,11 +1234,30 @@ def ssd_chunked_triton(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, t
     h = x.new_empty(batch, heads, head_dim, d_state, dtype=torch.float32)
     block_p, block_n = _ssd_blocks(head_dim, d_state)
     _ssd_chunked_forward[(batch, heads, triton.cdiv(head_dim, block_p))](
-        x, dt, A.float().contiguous(), B, C, None if D is None else D.float().contiguous(),
-        None if h0 is None else h0.float().contiguous(), y, h,
-        seq_len, heads, head_dim, d_state, heads // groups,
-        *x.stride()[:3], *dt.stride()[:2], *B.stride()[:3], *C.stride()[:3], *y.stride()[:3],
-        HAS_D=D is not None, HAS_H0=h0 is not None, CHUNK=SSD_CHUNK, BLOCK_P=block_p, BLOCK_N=block_n,
+        x,
+        dt,
+        A.float().contiguous(),
+        B,
+        C,
+        None if D is None else D.float().contiguous(),
+        None if h0 is None else h0.float().contiguous(),
+        y,
+        h,
+        seq_len,
+        heads,
+        head_dim,
+        d_state,
+        heads // groups,
+        *x.stride()[:3],
+        *dt.stride()[:2],
+        *B.stride()[:3],
+        *C.stride()[:3],
+        *y.stride()[:3],
+        HAS_D=D is not None,
+        HAS_H0=h0 is not None,
+        CHUNK=SSD_CHUNK,
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
         num_warps=SSD_NUM_WARPS,
     )
     return y, h

@@ -83,7 +83,9 @@ def check_cache(cache: Cache, config, batch: int):
         raise ValueError(f"past_key_values has {len(layers)} layers but this model has {n}: {fix}.")
     kinds = [cache_layer_kind(layer) for layer in layers]
     sharing = getattr(config, "kv_sharing_modes", None) or ["own"] * n  # "reuse": no cache of its own
-    expected = ["dummy" if mode == "reuse" or kind == "mlp" else kind for kind, mode in zip(config.layer_types, sharing)]
+    expected = [
+        "dummy" if mode == "reuse" or kind == "mlp" else kind for kind, mode in zip(config.layer_types, sharing)
+    ]
     # a full-attention cache keeps all a sliding layer needs (a `DynamicCache()` of an attention-only model)
     if any(k != t and (k, t) != ("full_attention", "sliding_attention") for k, t in zip(kinds, expected)):
         raise ValueError(
@@ -122,8 +124,10 @@ def check_attention_mask(mask: torch.Tensor, batch: int, length: int, past: int 
     """A 2D mask has one row per sequence and one column per token, the `past` cached ones included (as generate
     builds it; None: the cache cannot say how many), and holds 1 for tokens, 0 for padding (or True/False; the
     values looked at where `reads_values`)."""
-    if mask.ndim != 2 or mask.shape[0] != batch or (
-        mask.shape[1] < length if past is None else mask.shape[1] != past + length
+    if (
+        mask.ndim != 2
+        or mask.shape[0] != batch
+        or (mask.shape[1] < length if past is None else mask.shape[1] != past + length)
     ):
         expected = f"({batch}, >= {length})" if past is None else f"({batch}, {past + length})"
         cached = "" if past == 0 else f", the {'' if past is None else f'{past} '}cached ones included"

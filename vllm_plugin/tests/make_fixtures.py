@@ -37,8 +37,13 @@ def prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
 def greedy(model, prompt: list[int]) -> dict:
     """Greedy tokens and, per step, the top log-probs, from samba-hf's generate (cached decoding)."""
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0,
-        output_logits=True, return_dict_in_generate=True,
+        torch.tensor([prompt]),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     logprobs = []
     for logits in out.logits:
@@ -62,11 +67,27 @@ def mamba2_hybrid(folder: Path) -> None:
     tokenizer."""
     torch.manual_seed(0)
     config = SambaConfig(
-        vocab_size=4096, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, hybrid_override_pattern="M-M*-M-", mamba_version=2, mamba_d_state=16, mamba2_head_dim=32,
-        mamba2_n_groups=2, mamba2_chunk_size=16, use_rope=False, sliding_window=None, mlp_gated=False,
-        mlp_hidden_act="gelu", tie_word_embeddings=False, max_position_embeddings=4096, bos_token_id=1,
-        eos_token_id=2, pad_token_id=3,
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        hybrid_override_pattern="M-M*-M-",
+        mamba_version=2,
+        mamba_d_state=16,
+        mamba2_head_dim=32,
+        mamba2_n_groups=2,
+        mamba2_chunk_size=16,
+        use_rope=False,
+        sliding_window=None,
+        mlp_gated=False,
+        mlp_hidden_act="gelu",
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
     )
     model = SambaForCausalLM(config).eval()
     with torch.no_grad():  # non-trivial norms and steps from 1e-3 to 1, so every part of the layers matters
@@ -81,9 +102,20 @@ def mamba2_hybrid(folder: Path) -> None:
 
 # Every kind of SambaY layer, tiny: L=8 (self-decoder 0-3, memory 4, full 5, GMU 6, cross 7), GQA 8/4 (whole head
 # pairs on each of two ranks), window 64, head_dim 32 (vLLM's CPU attention takes 32, 64, 80, ...).
-SAMBAY = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
-              num_key_value_heads=4, sliding_window=64, layer_norm_eps=1e-5, mamba_d_state=16, pad_token_id=3,
-              bos_token_id=1, eos_token_id=2)
+SAMBAY = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    sliding_window=64,
+    layer_norm_eps=1e-5,
+    mamba_d_state=16,
+    pad_token_id=3,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def sambay_release(folder: Path) -> None:
@@ -91,22 +123,35 @@ def sambay_release(folder: Path) -> None:
     remote code in auto_map, flash-attention asked for), bf16 tensors under the released names with A_log and the
     lambdas in float32, two shards and an index, no lm_head, no vocabulary files (the tokenizer is given apart)."""
     weights = random_weights(SAMBAY, seed=2)
-    config = {**SAMBAY, "architectures": ["Phi4FlashForCausalLM"], "model_type": "phi4flash", "mb_per_layer": 2,
-              "_attn_implementation": "flash_attention_2", "torch_dtype": "bfloat16", "tie_word_embeddings": True,
-              "auto_map": {"AutoConfig": "configuration_phi4flash.Phi4FlashConfig",
-                           "AutoModelForCausalLM": "modeling_phi4flash.Phi4FlashForCausalLM",
-                           "AutoTokenizer": "Xenova/gpt-4o"}}
+    config = {
+        **SAMBAY,
+        "architectures": ["Phi4FlashForCausalLM"],
+        "model_type": "phi4flash",
+        "mb_per_layer": 2,
+        "_attn_implementation": "flash_attention_2",
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": True,
+        "auto_map": {
+            "AutoConfig": "configuration_phi4flash.Phi4FlashConfig",
+            "AutoModelForCausalLM": "modeling_phi4flash.Phi4FlashForCausalLM",
+            "AutoTokenizer": "Xenova/gpt-4o",
+        },
+    }
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     fp32 = ("A_log", "lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
     stored = {k: (v.float() if k.endswith(fp32) else v.to(torch.bfloat16)).contiguous() for k, v in weights.items()}
     names = sorted(stored)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for file, keys in shards.items():
         save_file({k: stored[k] for k in keys}, folder / file, metadata={"format": "pt"})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in stored.values())},
-             "weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in stored.values())},
+        "weight_map": {k: file for file, keys in shards.items() for k in keys},
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
@@ -119,8 +164,9 @@ def check_output(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise SystemExit(f"make_fixtures.py: error: {out} is a file; give a folder to write the fixtures in")
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).exists():
-        raise SystemExit(f"make_fixtures.py: error: {out} holds files this script did not write; give a new or "
-                         "empty folder")
+        raise SystemExit(
+            f"make_fixtures.py: error: {out} holds files this script did not write; give a new or empty folder"
+        )
 
 
 def main(out: Path) -> None:

@@ -3,7 +3,6 @@ full attention, untied head) served by vLLM's `MambaMixer2` through the plugin: 
 float32, batched and chunked, prefix-cached, tensor parallel 2; bf16 log-probs close over passes."""
 
 import pytest
-
 from conftest import assert_logprobs_close, engine, generate, prefix_cache_hits, tokens
 
 

@@ -22,8 +22,11 @@ _spec.loader.exec_module(docs)
 
 def vllm_blocks(page: Path) -> list[tuple[str, int, str]]:
     """(page, line of the opening fence, body) of each block that is for vLLM's environment."""
-    return [(docs.name(page), line, body) for language, line, body in docs.BLOCKS[page]
-            if docs.in_vllm_environment(language, body)]
+    return [
+        (docs.name(page), line, body)
+        for language, line, body in docs.BLOCKS[page]
+        if docs.in_vllm_environment(language, body)
+    ]
 
 
 def run_by_ci(body: str) -> bool:
@@ -38,14 +41,24 @@ assert len(BLOCKS) == 3 and len(ALL) == 5, f"the pages' vLLM blocks changed: upd
 
 @pytest.mark.parametrize("page, line, body", BLOCKS, ids=[f"{page}:{line}" for page, line, _ in BLOCKS])
 def test_block_runs(page, line, body, references, tmp_path):
-    folders = {"samba-folder": references["default"]["folder"], "mamba2-hybrid-folder": references["mamba2-hybrid"]["folder"],
-               "Phi-4-mini-flash-reasoning": references["sambay"]["folder"], "gpt-4o-tokenizer": references["sambay"]["tokenizer"]}
+    folders = {
+        "samba-folder": references["default"]["folder"],
+        "mamba2-hybrid-folder": references["mamba2-hybrid"]["folder"],
+        "Phi-4-mini-flash-reasoning": references["sambay"]["folder"],
+        "gpt-4o-tokenizer": references["sambay"]["tokenizer"],
+    }
     (tmp_path / "path" / "to").mkdir(parents=True)
     for name, target in folders.items():
         (tmp_path / "path" / "to" / name).symlink_to(target, target_is_directory=True)
     (tmp_path / ".venv-vllm").symlink_to(sys.prefix, target_is_directory=True)  # this environment
-    result = subprocess.run(["bash", "-e", "-c", body], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result = subprocess.run(
+        ["bash", "-e", "-c", body],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert result.returncode == 0, f"{page}:{line}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     if "completions" in body:
         assert '"finish_reason":"length"' in result.stdout, result.stdout  # the server answered with 16 tokens

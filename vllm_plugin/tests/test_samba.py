@@ -4,7 +4,6 @@ of requests of different lengths, chunked prefill, prefix caching, preemption, t
 log-probs close to samba-hf's over several passes of one engine."""
 
 import pytest
-
 from conftest import assert_logprobs_close, engine, generate, prefix_cache_hits, tokens
 
 
@@ -27,8 +26,14 @@ def test_batched_continuous_and_prefix_cached_equal_samba_hf(default):
 def test_chunked_prefill_and_preemption_equal_samba_hf(default):
     """Prefill in chunks of 32 tokens, and so few cache blocks that running requests are preempted and recomputed."""
     expected = tokens(default["float32"])
-    with engine(default["folder"], max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=False,
-                num_gpu_blocks_override=6, disable_log_stats=False) as llm:
+    with engine(
+        default["folder"],
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=6,
+        disable_log_stats=False,
+    ) as llm:
         assert tokens(generate(llm, default["prompts"])) == expected
         preempted = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     assert preempted > 0

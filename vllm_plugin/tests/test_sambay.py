@@ -5,7 +5,6 @@ attention, the memory layer and GMUs, the YOCO shared cache), batched, chunked, 
 bf16 log-probs close over passes."""
 
 import pytest
-
 from conftest import assert_logprobs_close, engine, generate, prefix_cache_hits, tokens
 
 
@@ -16,8 +15,13 @@ def sambay(references):
 
 def test_batched_chunked_and_prefix_cached_equal_samba_hf(sambay):
     expected = tokens(sambay["float32"])
-    with engine(sambay["folder"], tokenizer=sambay["tokenizer"], max_num_seqs=2, max_num_batched_tokens=32,
-                disable_log_stats=False) as llm:
+    with engine(
+        sambay["folder"],
+        tokenizer=sambay["tokenizer"],
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        disable_log_stats=False,
+    ) as llm:
         assert tokens(generate(llm, sambay["prompts"])) == expected
         hits = prefix_cache_hits(llm)
         assert tokens(generate(llm, sambay["prompts"])) == expected

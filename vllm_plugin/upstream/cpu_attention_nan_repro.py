@@ -24,15 +24,34 @@ def attend(key_cache, value_cache, query, seq_len, window, block_size, dtype):
     block_table = torch.tensor([[1]], dtype=torch.int32)  # the request's one block
     isa = _get_attn_isa(dtype, block_size, head_dim)
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=num_heads, num_kv_heads=key_cache.shape[1], head_dim=head_dim, seq_lens=seq_lens,
-        dtype=dtype, query_start_loc=query_start_loc, causal=True, sliding_window_size=window, isa=isa,
+        num_reqs=1,
+        num_heads=num_heads,
+        num_kv_heads=key_cache.shape[1],
+        head_dim=head_dim,
+        seq_lens=seq_lens,
+        dtype=dtype,
+        query_start_loc=query_start_loc,
+        causal=True,
+        sliding_window_size=window,
+        isa=isa,
         enable_kv_split=False,
     )
     output = torch.empty_like(query)
     ops.cpu_attention_with_kv_cache(
-        query=query, key_cache=key_cache, value_cache=value_cache, output=output, query_start_loc=query_start_loc,
-        seq_lens=seq_lens, scale=head_dim**-0.5, causal=True, alibi_slopes=None, sliding_window=window,
-        block_table=block_table, softcap=0.0, scheduler_metadata=metadata, s_aux=None,
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=output,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        scale=head_dim**-0.5,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=window,
+        block_table=block_table,
+        softcap=0.0,
+        scheduler_metadata=metadata,
+        s_aux=None,
     )
     return output, isa
 
@@ -44,7 +63,10 @@ def main(dtype=torch.bfloat16):
     # included) in the positions this request has not written
     kv_cache = torch.full((num_blocks, kv_heads, 2 * block_size, head_dim), float("nan"), dtype=dtype)
     key_cache, value_cache = kv_cache.chunk(2, dim=2)
-    key, value = torch.randn(seq_len, kv_heads, head_dim, dtype=dtype), torch.randn(seq_len, kv_heads, head_dim, dtype=dtype)
+    key, value = (
+        torch.randn(seq_len, kv_heads, head_dim, dtype=dtype),
+        torch.randn(seq_len, kv_heads, head_dim, dtype=dtype),
+    )
     slot_mapping = torch.arange(block_size, block_size + seq_len, dtype=torch.int64)  # block 1, positions 0..8
     isa = _get_attn_isa(dtype, block_size, head_dim)
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)

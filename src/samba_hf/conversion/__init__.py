@@ -48,7 +48,8 @@ SOURCES = {
     "mamba": "transformers' MambaForCausalLM folder (e.g. state-spaces/mamba-130m-hf)",
     "mistral": "transformers' MistralForCausalLM folder",
     "llama": "transformers' LlamaForCausalLM folder",
-    "megatron": "NVIDIA's Megatron-LM Mamba checkpoints (Mamba-2-Hybrid 8B, Mamba-2 8B): the folder as downloaded or its .pt",
+    "megatron": "NVIDIA's Megatron-LM Mamba checkpoints (Mamba-2-Hybrid 8B, Mamba-2 8B): "
+    "the folder as downloaded or its .pt",
 }
 PLANS = {
     "lit-gpt": lit_gpt.plan,
@@ -78,11 +79,15 @@ def resolve_config(config: str | os.PathLike | SambaConfig | dict | None) -> Sam
         fields = config if path is None else json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ConversionError(f"cannot read --config {path} as JSON ({error}).") from None
-    if not isinstance(fields, dict) or fields.get("model_type", "samba") != "samba" or not (
-        "layer_types" in fields or "hidden_size" in fields
+    if (
+        not isinstance(fields, dict)
+        or fields.get("model_type", "samba") != "samba"
+        or not ("layer_types" in fields or "hidden_size" in fields)
     ):
         raise ConversionError(f"--config {config}: not a SambaConfig JSON (an object of samba-hf config fields).")
-    fields = {k: v for k, v in fields.items() if k not in ("model_type", "auto_map", "architectures", "transformers_version")}
+    fields = {
+        k: v for k, v in fields.items() if k not in ("model_type", "auto_map", "architectures", "transformers_version")
+    }
     try:
         return SambaConfig(**fields)
     except (TypeError, ValueError) as error:
@@ -151,8 +156,10 @@ def convert(
         raise ConversionError(f"unknown source {source!r}; choose one of: {', '.join(PLANS)}.")
     src, out = Path(src), Path(out)
     if source == "megatron" and config is not None:
-        raise ConversionError("--config does not apply to megatron: the layout is read from the checkpoint itself "
-                              "(its blocks, shapes and args); leave --config out.")
+        raise ConversionError(
+            "--config does not apply to megatron: the layout is read from the checkpoint itself "
+            "(its blocks, shapes and args); leave --config out."
+        )
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ConversionError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}.")
@@ -196,12 +203,25 @@ def convert(
         if hf_tokenizer is not None:
             hf_tokenizer.save_pretrained(folder)
         parity = verify(source, checkpoint, samba_config, folder, dtype)[1] if verify_parity else None
-        write_model_card(folder, source, str(src), command, parity or "not verified (pass --verify to measure it)",
-                         samba_config, **source_card(checkpoint))
+        write_model_card(
+            folder,
+            source,
+            str(src),
+            command,
+            parity or "not verified (pass --verify to measure it)",
+            samba_config,
+            **source_card(checkpoint),
+        )
     if push_to_hub:
         push_folder(out, push_to_hub)
-    return {"out": out, "config": samba_config, "config_origin": origin, "parity": parity, "tokenizer": tokenizer,
-            "cleaned": cleaned}
+    return {
+        "out": out,
+        "config": samba_config,
+        "config_origin": origin,
+        "parity": parity,
+        "tokenizer": tokenizer,
+        "cleaned": cleaned,
+    }
 
 
 def megatron_tokenizer(path: Path, config: SambaConfig):
@@ -226,8 +246,10 @@ def export_lit_gpt(src: str | os.PathLike, out: str | os.PathLike, force: bool =
     src, out = Path(src), Path(out)
     model, cleaned = load_for_export(src, out, force)
     if model.config.mamba_version != 1 or "mlp" in model.config.layer_types:
-        raise ConversionError(f"{src} holds a Mamba-2 layout: the official Samba code has no layout for it (export "
-                              "megatron writes Megatron-LM's).")
+        raise ConversionError(
+            f"{src} holds a Mamba-2 layout: the official Samba code has no layout for it (export "
+            "megatron writes Megatron-LM's)."
+        )
     write_checkpoint({"model": lit_gpt.to_official(model.state_dict(), model.config), EXPORT_MARKER: __version__}, out)
     return {"out": out, "official_name": lit_gpt.official_name_of(model.config), "cleaned": cleaned}
 
@@ -244,22 +266,36 @@ def export_megatron(src: str | os.PathLike, out: str | os.PathLike, force: bool 
         tracker = out.parents[2] / megatron.TRACKER
         if tracker.exists() or tracker.is_symlink():
             if not tracker.is_file():
-                raise ConversionError(f"{tracker} is not a file: Megatron reads the iteration to load from it. "
-                                      "Remove it, or export elsewhere.")
+                raise ConversionError(
+                    f"{tracker} is not a file: Megatron reads the iteration to load from it. "
+                    "Remove it, or export elsewhere."
+                )
             try:
                 iteration = tracker.read_text(errors="replace").strip()
             except OSError as error:
-                raise ConversionError(f"cannot read {tracker} ({error.strerror or error}): Megatron reads the "
-                                      "iteration to load from it. Make it readable, or export elsewhere.") from None
+                raise ConversionError(
+                    f"cannot read {tracker} ({error.strerror or error}): Megatron reads the "
+                    "iteration to load from it. Make it readable, or export elsewhere."
+                ) from None
             if iteration != "release":
-                notes.append(f"{tracker} names another iteration, so Megatron will not load this export from "
-                             f"{out.parents[2]} unless it says 'release' (it was left as it is)")
+                notes.append(
+                    f"{tracker} names another iteration, so Megatron will not load this export from "
+                    f"{out.parents[2]} unless it says 'release' (it was left as it is)"
+                )
             tracker = None  # left as it is
     model, cleaned = load_for_export(src, out, force)
     megatron.check_exportable(model.config, src)
     state = megatron.to_megatron(model.state_dict(), model.config)
-    write_checkpoint({"model": state, "args": megatron.megatron_args(model.config), "checkpoint_version": 3.0,
-                      "iteration": 0, EXPORT_MARKER: __version__}, out)
+    write_checkpoint(
+        {
+            "model": state,
+            "args": megatron.megatron_args(model.config),
+            "checkpoint_version": 3.0,
+            "iteration": 0,
+            EXPORT_MARKER: __version__,
+        },
+        out,
+    )
     if tracker is not None:
         with os_errors(tracker):
             tracker.write_text("release")
@@ -277,8 +313,9 @@ def load_for_export(src: Path, out: Path, force: bool):
     except ModelFolderError as error:
         raise ConversionError(str(error)) from None
     if model.config.model_type != "samba":
-        raise ConversionError(f"{src} holds a {model.config.model_type!r} model; export takes samba-hf folders of "
-                              "model type 'samba'.")
+        raise ConversionError(
+            f"{src} holds a {model.config.model_type!r} model; export takes samba-hf folders of model type 'samba'."
+        )
     return model, cleaned
 
 

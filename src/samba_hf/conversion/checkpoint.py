@@ -107,11 +107,15 @@ class Checkpoint:
         try:
             fields = json.loads(file.read_text())
         except (OSError, UnicodeDecodeError, ValueError) as error:
-            raise ConversionError(f"{file} is not readable JSON ({error}): restore the source's config.json, "
-                                  "or pass --config with the model's configuration.") from None
+            raise ConversionError(
+                f"{file} is not readable JSON ({error}): restore the source's config.json, "
+                "or pass --config with the model's configuration."
+            ) from None
         if not isinstance(fields, dict):
-            raise ConversionError(f"{file} holds {type(fields).__name__}, not a JSON object of config fields: "
-                                  "restore the source's config.json.")
+            raise ConversionError(
+                f"{file} holds {type(fields).__name__}, not a JSON object of config fields: "
+                "restore the source's config.json."
+            )
         return fields
 
 
@@ -153,7 +157,9 @@ def check_layout(
             shown = items[:8] + ([f"... and {len(items) - 8} more"] if len(items) > 8 else [])
             lines.append(f"  {title} ({len(items)}): " + "; ".join(shown))
     if present and len(missing) == len(set(expected) - set(optional)):
-        lines.append(f"  No expected key is present: this is probably not a {source} checkpoint (wrong source format).")
+        lines.append(
+            f"  No expected key is present: this is probably not a {source} checkpoint (wrong source format)."
+        )
     elif misshaped or missing:
         lines.append(f"  Likely cause: {likely_cause}" + (f" {hint}" if hint else ""))
     raise ConversionError("\n".join(lines))

@@ -15,8 +15,14 @@ from ..configuration_samba import SambaConfig
 from .checkpoint import Checkpoint, ConversionError, check_layout, heads_tied
 
 # FLA's Samba defaults (fla/models/samba/configuration_samba.py), for fields a config.json leaves out.
-DEFAULT_ATTN = {"layers": (1, 3, 5, 7, 9, 11, 13, 15, 17), "num_heads": 18, "num_kv_heads": 18, "qkv_bias": False,
-                "window_size": 2048, "rope_theta": 10000.0}
+DEFAULT_ATTN = {
+    "layers": (1, 3, 5, 7, 9, 11, 13, 15, 17),
+    "num_heads": 18,
+    "num_kv_heads": 18,
+    "qkv_bias": False,
+    "window_size": 2048,
+    "rope_theta": 10000.0,
+}
 
 
 def mlp_size(hidden_size: int, hidden_ratio: float | None) -> int:
@@ -71,29 +77,54 @@ def config_from_fla(fla: dict) -> SambaConfig:
 
 def fla_shapes(config: SambaConfig) -> dict[str, tuple[int, ...]]:
     d, inner, rank, n = config.hidden_size, config.mamba_d_inner, config.mamba_dt_rank, config.mamba_d_state
-    heads, kv, hs, mlp = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size
-    shapes = {"backbone.embeddings.weight": (config.vocab_size, d), "backbone.norm_f.weight": (d,),
-              "lm_head.weight": (config.vocab_size, d)}
+    heads, kv, hs, mlp = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.intermediate_size,
+    )
+    shapes = {
+        "backbone.embeddings.weight": (config.vocab_size, d),
+        "backbone.norm_f.weight": (d,),
+        "lm_head.weight": (config.vocab_size, d),
+    }
     for i, kind in enumerate(config.layer_types):
         layer = f"backbone.layers.{i}"
         shapes[f"{layer}.mixer_norm.weight"] = shapes[f"{layer}.mlp_norm.weight"] = (d,)
-        shapes.update({f"{layer}.mlp.gate_proj.weight": (mlp, d), f"{layer}.mlp.up_proj.weight": (mlp, d),
-                       f"{layer}.mlp.down_proj.weight": (d, mlp)})
+        shapes.update(
+            {
+                f"{layer}.mlp.gate_proj.weight": (mlp, d),
+                f"{layer}.mlp.up_proj.weight": (mlp, d),
+                f"{layer}.mlp.down_proj.weight": (d, mlp),
+            }
+        )
         if kind == "linear_attention":
-            shapes.update({f"{layer}.mixer.A_log": (inner, n), f"{layer}.mixer.D": (inner,),
-                           f"{layer}.mixer.in_proj.weight": (2 * inner, d),
-                           f"{layer}.mixer.conv1d.weight": (inner, 1, config.mamba_d_conv),
-                           f"{layer}.mixer.x_proj.weight": (rank + 2 * n, inner),
-                           f"{layer}.mixer.dt_proj.weight": (inner, rank), f"{layer}.mixer.dt_proj.bias": (inner,),
-                           f"{layer}.mixer.out_proj.weight": (d, inner)})
+            shapes.update(
+                {
+                    f"{layer}.mixer.A_log": (inner, n),
+                    f"{layer}.mixer.D": (inner,),
+                    f"{layer}.mixer.in_proj.weight": (2 * inner, d),
+                    f"{layer}.mixer.conv1d.weight": (inner, 1, config.mamba_d_conv),
+                    f"{layer}.mixer.x_proj.weight": (rank + 2 * n, inner),
+                    f"{layer}.mixer.dt_proj.weight": (inner, rank),
+                    f"{layer}.mixer.dt_proj.bias": (inner,),
+                    f"{layer}.mixer.out_proj.weight": (d, inner),
+                }
+            )
             if config.mamba_conv_bias:
                 shapes[f"{layer}.mixer.conv1d.bias"] = (inner,)
             if config.mamba_proj_bias:
                 shapes[f"{layer}.mixer.in_proj.bias"] = (2 * inner,)
                 shapes[f"{layer}.mixer.out_proj.bias"] = (d,)
         else:
-            shapes.update({f"{layer}.mixer.q_proj.weight": (heads * hs, d), f"{layer}.mixer.k_proj.weight": (kv * hs, d),
-                           f"{layer}.mixer.v_proj.weight": (kv * hs, d), f"{layer}.mixer.o_proj.weight": (d, heads * hs)})
+            shapes.update(
+                {
+                    f"{layer}.mixer.q_proj.weight": (heads * hs, d),
+                    f"{layer}.mixer.k_proj.weight": (kv * hs, d),
+                    f"{layer}.mixer.v_proj.weight": (kv * hs, d),
+                    f"{layer}.mixer.o_proj.weight": (d, heads * hs),
+                }
+            )
     return shapes
 
 
@@ -101,11 +132,15 @@ def plan(checkpoint: Checkpoint, config: SambaConfig | None = None):
     config = config or config_from_fla(checkpoint.read_config())
     shapes = fla_shapes(config)
     check_layout(
-        checkpoint, shapes, "flash-linear-attention Samba",
+        checkpoint,
+        shapes,
+        "flash-linear-attention Samba",
         optional={"lm_head.weight"} if config.tie_word_embeddings else set(),
         ignored=lambda name: name.endswith("rotary.inv_freq"),
     )
-    config.tie_word_embeddings = heads_tied(checkpoint, "backbone.embeddings.weight", declared=config.tie_word_embeddings)
+    config.tie_word_embeddings = heads_tied(
+        checkpoint, "backbone.embeddings.weight", declared=config.tie_word_embeddings
+    )
     tensors = {"model.embed_tokens.weight": lambda: checkpoint["backbone.embeddings.weight"]}
     for i, kind in enumerate(config.layer_types):
         src, dst = f"backbone.layers.{i}", f"model.layers.{i}"

@@ -30,8 +30,17 @@ OFFICIAL_CONFIGS = {
     "Samba_1.3B_nope": dict(n_layer=18, n_head=18, n_embd=2304, intermediate_size=6144, nope=True),
 }
 
-MAMBA_TENSORS = ("A_log", "D", "in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
-                 "dt_proj.bias", "out_proj.weight")
+MAMBA_TENSORS = (
+    "A_log",
+    "D",
+    "in_proj.weight",
+    "conv1d.weight",
+    "conv1d.bias",
+    "x_proj.weight",
+    "dt_proj.weight",
+    "dt_proj.bias",
+    "out_proj.weight",
+)
 MLP_NAMES = {"w1": "gate_proj", "w2": "up_proj", "w3": "down_proj"}
 
 
@@ -42,8 +51,15 @@ def config_from_name(name: str, **lit_gpt_overrides) -> SambaConfig:
             f"unknown official config {name!r}; choose one of {sorted(OFFICIAL_CONFIGS)}, or pass a SambaConfig "
             "JSON file with the checkpoint's sizes."
         )
-    lit = dict(vocab_size=32000, padding_multiple=64, block_size=4096, local_window=2048, norm_eps=1e-5,
-               nope=False, n_query_groups=None)
+    lit = dict(
+        vocab_size=32000,
+        padding_multiple=64,
+        block_size=4096,
+        local_window=2048,
+        norm_eps=1e-5,
+        nope=False,
+        n_query_groups=None,
+    )
     lit.update(OFFICIAL_CONFIGS[name], **lit_gpt_overrides)
     vocab = -(-lit["vocab_size"] // lit["padding_multiple"]) * lit["padding_multiple"]  # lit-gpt's padded vocab
     n_layer, window = lit["n_layer"], lit["local_window"]
@@ -89,16 +105,29 @@ def official_shapes(config: SambaConfig) -> dict[str, tuple[int, ...]]:
     check_convertible(config)
     d, inner, rank, n = config.hidden_size, config.mamba_d_inner, config.mamba_dt_rank, config.mamba_d_state
     heads, groups, hs = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    shapes = {"transformer.wte.weight": (config.vocab_size, d), "lm_head.weight": (config.vocab_size, d),
-              "transformer.ln_f.weight": (d,)}
-    mamba = {"A_log": (inner, n), "D": (inner,), "in_proj.weight": (2 * inner, d),
-             "conv1d.weight": (inner, 1, config.mamba_d_conv), "conv1d.bias": (inner,),
-             "x_proj.weight": (rank + 2 * n, inner), "dt_proj.weight": (inner, rank), "dt_proj.bias": (inner,),
-             "out_proj.weight": (d, inner)}
+    shapes = {
+        "transformer.wte.weight": (config.vocab_size, d),
+        "lm_head.weight": (config.vocab_size, d),
+        "transformer.ln_f.weight": (d,),
+    }
+    mamba = {
+        "A_log": (inner, n),
+        "D": (inner,),
+        "in_proj.weight": (2 * inner, d),
+        "conv1d.weight": (inner, 1, config.mamba_d_conv),
+        "conv1d.bias": (inner,),
+        "x_proj.weight": (rank + 2 * n, inner),
+        "dt_proj.weight": (inner, rank),
+        "dt_proj.bias": (inner,),
+        "out_proj.weight": (d, inner),
+    }
     for i, kind in enumerate(config.layer_types):
         block = f"transformer.h.{i}"
         shapes[f"{block}.norm_1.weight"] = shapes[f"{block}.norm_2.weight"] = (d,)
-        shapes[f"{block}.mlp.swiglu.w1.weight"] = shapes[f"{block}.mlp.swiglu.w2.weight"] = (config.intermediate_size, d)
+        shapes[f"{block}.mlp.swiglu.w1.weight"] = shapes[f"{block}.mlp.swiglu.w2.weight"] = (
+            config.intermediate_size,
+            d,
+        )
         shapes[f"{block}.mlp.swiglu.w3.weight"] = (d, config.intermediate_size)
         if kind == "linear_attention":
             shapes.update({f"{block}.attn.{name}": shape for name, shape in mamba.items()})
@@ -111,8 +140,12 @@ def official_shapes(config: SambaConfig) -> dict[str, tuple[int, ...]]:
 def describe(checkpoint: Checkpoint) -> str:
     """What the checkpoint's own shapes say, to set beside the config it did not match."""
     blocks = {name.split(".")[2] for name in checkpoint.keys() if name.startswith("transformer.h.")}
-    embedding = next((checkpoint.shape(n) for n in ("transformer.wte.weight", "lm_head.weight") if n in checkpoint), None)
-    facts = f"The checkpoint has {len(blocks)} blocks" + (f" and embeddings of shape {list(embedding)}" if embedding else "")
+    embedding = next(
+        (checkpoint.shape(n) for n in ("transformer.wte.weight", "lm_head.weight") if n in checkpoint), None
+    )
+    facts = f"The checkpoint has {len(blocks)} blocks" + (
+        f" and embeddings of shape {list(embedding)}" if embedding else ""
+    )
     return f"{facts}; official config names: {', '.join(OFFICIAL_CONFIGS)}."
 
 
@@ -138,8 +171,11 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: SambaCon
 def plan(checkpoint: Checkpoint, config: SambaConfig):
     """Check the checkpoint against `config`, then return (config, {samba-hf name: producer})."""
     check_layout(
-        checkpoint, official_shapes(config), "official lit-gpt (microsoft/Samba)",
-        optional={"lm_head.weight", "transformer.wte.weight"}, hint=describe(checkpoint),
+        checkpoint,
+        official_shapes(config),
+        "official lit-gpt (microsoft/Samba)",
+        optional={"lm_head.weight", "transformer.wte.weight"},
+        hint=describe(checkpoint),
     )
     if "lm_head.weight" not in checkpoint and "transformer.wte.weight" not in checkpoint:
         raise ConversionError(f"{checkpoint.path} has neither transformer.wte.weight nor lm_head.weight.")
@@ -169,8 +205,10 @@ def plan(checkpoint: Checkpoint, config: SambaConfig):
 def to_official(state_dict: dict[str, torch.Tensor], config: SambaConfig) -> dict[str, torch.Tensor]:
     """A samba-hf state dict -> the official one (both embedding names, as the official model's state dict)."""
     check_convertible(config)
-    out = {"lm_head.weight": state_dict.get("lm_head.weight", state_dict["model.embed_tokens.weight"]),
-           "transformer.wte.weight": state_dict["model.embed_tokens.weight"]}
+    out = {
+        "lm_head.weight": state_dict.get("lm_head.weight", state_dict["model.embed_tokens.weight"]),
+        "transformer.wte.weight": state_dict["model.embed_tokens.weight"],
+    }
     for i, kind in enumerate(config.layer_types):
         src, dst = f"model.layers.{i}", f"transformer.h.{i}"
         out[f"{dst}.norm_1.weight"] = state_dict[f"{src}.input_layernorm.weight"]
@@ -189,8 +227,17 @@ def to_official(state_dict: dict[str, torch.Tensor], config: SambaConfig) -> dic
 
 
 # The fields that tell official configs apart (the rest is the same for all of them).
-MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "sliding_window", "use_rope", "layer_types")
+MODEL_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "sliding_window",
+    "use_rope",
+    "layer_types",
+)
 
 
 def differences(a: SambaConfig, b: SambaConfig) -> list[str]:
@@ -235,4 +282,7 @@ def choose_config(checkpoint: Checkpoint, config: SambaConfig | None, force_conf
             f"{', '.join(changed)}: these weights would run as a different model. Leave --config out to use "
             f"{recorded}, or pass --force-config if the recorded name is wrong."
         )
-    return config, f"as given by --config with --force-config, overriding the recorded {recorded!r} ({', '.join(changed)})"
+    return (
+        config,
+        f"as given by --config with --force-config, overriding the recorded {recorded!r} ({', '.join(changed)})",
+    )

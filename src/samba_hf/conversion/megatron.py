@@ -5,8 +5,8 @@ The Hub folder as downloaded holds `latest_checkpointed_iteration.txt` ("release
 `release/mp_rank_00/model_optim_rng.pt` (one `torch.save` dict: `model`, `args`, RNG states, ...) and a SentencePiece
 `.model`. Block i of the `model` state dict is one sub-layer, told apart by its keys:
 
-    "M"  decoder.layers.{i}.norm.weight (or, in later Megatron, mixer.in_proj.layer_norm_weight), mixer.{in_proj.weight,
-         conv1d.weight, conv1d.bias, A_log, D, dt_bias, norm.weight, out_proj.weight}
+    "M"  decoder.layers.{i}.norm.weight (or, in later Megatron, mixer.in_proj.layer_norm_weight),
+         mixer.{in_proj.weight, conv1d.weight, conv1d.bias, A_log, D, dt_bias, norm.weight, out_proj.weight}
                                                   -> model.layers.{i}.input_layernorm.weight, mamba.{same names}
     "*"  self_attention.linear_qkv.{layer_norm_weight, weight} (rows interleaved per query group), linear_proj.weight
                                                   -> input_layernorm, self_attn.{q,k,v}_proj, self_attn.o_proj
@@ -32,8 +32,16 @@ from .lit_gpt import fuse_qkv, split_qkv
 from .writer import expected_tensors
 
 TRACKER = "latest_checkpointed_iteration.txt"
-MAMBA_TENSORS = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight",
-                 "out_proj.weight")
+MAMBA_TENSORS = (
+    "in_proj.weight",
+    "conv1d.weight",
+    "conv1d.bias",
+    "A_log",
+    "D",
+    "dt_bias",
+    "norm.weight",
+    "out_proj.weight",
+)
 # (n_groups, d_state) of the 2024 releases: Megatron's Mamba defaults then, not recorded in their args.
 RELEASE_GROUPS, RELEASE_STATE = 8, 128
 
@@ -111,17 +119,21 @@ def find_tokenizer(src: Path) -> Path | None:
         folder = src.parents[2]
     models = sorted(folder.glob("*.model"))
     if len(models) > 1:
-        raise ConversionError(f"{folder} holds {len(models)} SentencePiece files ({', '.join(m.name for m in models)}): "
-                              "pass the model's own with --tokenizer.")
+        raise ConversionError(
+            f"{folder} holds {len(models)} SentencePiece files ({', '.join(m.name for m in models)}): "
+            "pass the model's own with --tokenizer."
+        )
     return models[0] if models else None
 
 
 def load_checkpoint_file(path: Path) -> dict:
     """torch.load with the weights-only unpickler, memory-mapped, with only `ALLOWED_GLOBALS` as stand-ins."""
     if not hasattr(torch.serialization, "get_unsafe_globals_in_checkpoint"):
-        raise ConversionError(f"reading a Megatron checkpoint without running its pickled code needs a torch with "
-                              f"torch.serialization.get_unsafe_globals_in_checkpoint and safe_globals (tested with "
-                              f"2.13); this is torch {torch.__version__}: upgrade it.")
+        raise ConversionError(
+            f"reading a Megatron checkpoint without running its pickled code needs a torch with "
+            f"torch.serialization.get_unsafe_globals_in_checkpoint and safe_globals (tested with "
+            f"2.13); this is torch {torch.__version__}: upgrade it."
+        )
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as error:
@@ -226,26 +238,46 @@ def allocate_layers(num_layers: int, attention_ratio: float, mlp_ratio: float) -
 def check_args(checkpoint: MegatronCheckpoint, pattern: str):
     """What the training arguments say must agree with the blocks, and describe a model samba-hf builds."""
     args = checkpoint.args
-    kinds = {"num_layers": int, "hybrid_attention_ratio": float, "hybrid_mlp_ratio": float, "norm_epsilon": float,
-             "hybrid_override_pattern": str, "num_attention_heads": int, "num_query_groups": int, "kv_channels": int,
-             "mamba_num_groups": int, "mamba_state_dim": int, "max_position_embeddings": int, "seq_length": int}
+    kinds = {
+        "num_layers": int,
+        "hybrid_attention_ratio": float,
+        "hybrid_mlp_ratio": float,
+        "norm_epsilon": float,
+        "hybrid_override_pattern": str,
+        "num_attention_heads": int,
+        "num_query_groups": int,
+        "kv_channels": int,
+        "mamba_num_groups": int,
+        "mamba_state_dim": int,
+        "max_position_embeddings": int,
+        "seq_length": int,
+    }
     for name, kind in kinds.items():
         value = args.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind)):
-            raise ConversionError(f"{checkpoint.path}: args.{name} is {value!r}, not a{'n' if kind is int else ''} "
-                                  f"{kind.__name__}: the checkpoint's args are damaged. Nothing was written.")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind)
+        ):
+            raise ConversionError(
+                f"{checkpoint.path}: args.{name} is {value!r}, not a{'n' if kind is int else ''} "
+                f"{kind.__name__}: the checkpoint's args are damaged. Nothing was written."
+            )
     problems = []
     if args.get("num_layers") not in (None, len(pattern)):
         problems.append(f"args.num_layers is {args['num_layers']} but the file holds {len(pattern)} blocks")
     declared = args.get("hybrid_override_pattern") or (
         allocate_layers(len(pattern), args.get("hybrid_attention_ratio") or 0.0, args.get("hybrid_mlp_ratio") or 0.0)
-        if "hybrid_attention_ratio" in args or "hybrid_mlp_ratio" in args else None
+        if "hybrid_attention_ratio" in args or "hybrid_mlp_ratio" in args
+        else None
     )
     if declared is not None and declared != pattern:
         problems.append(f"the blocks in the file are {pattern} but its args describe {declared}")
     unsupported = {
-        "position_embedding_type": ("none", None), "normalization": ("RMSNorm", None), "swiglu": (False, None),
-        "add_bias_linear": (False, None), "apply_layernorm_1p": (False, None), "add_qkv_bias": (False, None),
+        "position_embedding_type": ("none", None),
+        "normalization": ("RMSNorm", None),
+        "swiglu": (False, None),
+        "add_bias_linear": (False, None),
+        "apply_layernorm_1p": (False, None),
+        "add_qkv_bias": (False, None),
         "qk_layernorm": (False, None),
     }
     for name, accepted in unsupported.items():
@@ -263,7 +295,8 @@ def tied_embeddings(checkpoint: MegatronCheckpoint) -> bool:
     if untied is True and "output_layer.weight" not in checkpoint:
         raise ConversionError(
             f"{checkpoint.path} has no output_layer.weight, but its args say the output layer is not the embedding "
-            "matrix (untie_embeddings_and_output_weights=True): the file is incomplete or damaged. Nothing was written."
+            "matrix (untie_embeddings_and_output_weights=True): the file is incomplete or damaged. "
+            "Nothing was written."
         )
     if isinstance(untied, bool):
         return not untied
@@ -277,21 +310,34 @@ def config_from_checkpoint(checkpoint: MegatronCheckpoint) -> SambaConfig:
     check_args(checkpoint, pattern)
     args, shape = checkpoint.args, checkpoint.shape
     vocab, hidden = shape("embedding.word_embeddings.weight")
-    fields = dict(hybrid_override_pattern=pattern, vocab_size=vocab, hidden_size=hidden, use_rope=False,
-                  sliding_window=None, mlp_gated=False, mlp_hidden_act="relu2" if args.get("squared_relu") else "gelu",
-                  rms_norm_eps=float(args.get("norm_epsilon", 1e-5)), mamba_version=2, intermediate_size=0,
-                  tie_word_embeddings=tied_embeddings(checkpoint), bos_token_id=None, eos_token_id=None,
-                  max_position_embeddings=args.get("max_position_embeddings") or args.get("seq_length") or 4096)
+    fields = dict(
+        hybrid_override_pattern=pattern,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        use_rope=False,
+        sliding_window=None,
+        mlp_gated=False,
+        mlp_hidden_act="relu2" if args.get("squared_relu") else "gelu",
+        rms_norm_eps=float(args.get("norm_epsilon", 1e-5)),
+        mamba_version=2,
+        intermediate_size=0,
+        tie_word_embeddings=tied_embeddings(checkpoint),
+        bos_token_id=None,
+        eos_token_id=None,
+        max_position_embeddings=args.get("max_position_embeddings") or args.get("seq_length") or 4096,
+    )
     if "-" in pattern:
         fields["intermediate_size"] = shape(f"decoder.layers.{pattern.index('-')}.mlp.linear_fc1.weight")[0]
     heads = args.get("num_attention_heads")
     if "*" in pattern and not heads:
-        raise ConversionError(f"{checkpoint.path}: its args do not record num_attention_heads, which the attention "
-                              "blocks need.")
+        raise ConversionError(
+            f"{checkpoint.path}: its args do not record num_attention_heads, which the attention blocks need."
+        )
     if heads:  # recorded by every Megatron run, attention blocks or not
         groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
-        fields.update(num_attention_heads=heads, num_key_value_heads=groups,
-                      head_dim=args.get("kv_channels") or hidden // heads)
+        fields.update(
+            num_attention_heads=heads, num_key_value_heads=groups, head_dim=args.get("kv_channels") or hidden // heads
+        )
     if "M" in pattern:
         first = f"decoder.layers.{pattern.index('M')}.mixer"
         heads, inner = shape(f"{first}.A_log")[0], shape(f"{first}.norm.weight")[0]
@@ -304,11 +350,19 @@ def config_from_checkpoint(checkpoint: MegatronCheckpoint) -> SambaConfig:
                 f"(inner width {inner}, {heads} heads, conv channels {conv_channels}, hidden {hidden}); a checkpoint "
                 "of other Mamba-2 sizes must record mamba_num_groups and mamba_state_dim in its args."
             )
-        fields.update(mamba_expand=inner // hidden, mamba2_head_dim=inner // heads, mamba2_n_groups=groups,
-                      mamba_d_state=state, mamba_d_conv=kernel, mamba2_chunk_size=128)
+        fields.update(
+            mamba_expand=inner // hidden,
+            mamba2_head_dim=inner // heads,
+            mamba2_n_groups=groups,
+            mamba_d_state=state,
+            mamba_d_conv=kernel,
+            mamba2_chunk_size=128,
+        )
         if not math.isclose(fields["rms_norm_eps"], 1e-5):
-            raise ConversionError(f"{checkpoint.path}: args.norm_epsilon is {fields['rms_norm_eps']}, but Megatron's "
-                                  "Mamba-2 gated norm always uses 1e-5 and samba-hf one epsilon for both.")
+            raise ConversionError(
+                f"{checkpoint.path}: args.norm_epsilon is {fields['rms_norm_eps']}, but Megatron's "
+                "Mamba-2 gated norm always uses 1e-5 and samba-hf one epsilon for both."
+            )
     try:
         return SambaConfig(**fields)
     except ValueError as error:
@@ -317,7 +371,10 @@ def config_from_checkpoint(checkpoint: MegatronCheckpoint) -> SambaConfig:
 
 def megatron_names(config: SambaConfig, fused_norms: bool = False) -> dict[str, str]:
     """samba-hf name -> Megatron name for every tensor but the attention's q/k/v (fused in linear_qkv)."""
-    names = {"model.embed_tokens.weight": "embedding.word_embeddings.weight", "model.norm.weight": "decoder.final_norm.weight"}
+    names = {
+        "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+        "model.norm.weight": "decoder.final_norm.weight",
+    }
     if not config.tie_word_embeddings:
         names["lm_head.weight"] = "output_layer.weight"
     for i, kind in enumerate(config.layer_types):
@@ -350,17 +407,22 @@ def plan(checkpoint: MegatronCheckpoint, config: SambaConfig | None = None):
     """Check the checkpoint in full, then return (config, {samba-hf name: producer})."""
     config = config_from_checkpoint(checkpoint)  # (convert refuses a --config for this source)
     fused = any(name.endswith("mixer.in_proj.layer_norm_weight") for name in checkpoint.keys())
-    check_layout(checkpoint, megatron_shapes(config, fused), "Megatron-LM Mamba", header=(
-        f"{checkpoint.path} does not match the layout its blocks and args imply ({config.hybrid_pattern}):"),
-        likely_cause="an incomplete or damaged file.")
+    check_layout(
+        checkpoint,
+        megatron_shapes(config, fused),
+        "Megatron-LM Mamba",
+        header=(f"{checkpoint.path} does not match the layout its blocks and args imply ({config.hybrid_pattern}):"),
+        likely_cause="an incomplete or damaged file.",
+    )
     names = megatron_names(config, fused)
     tensors = {ours: (lambda theirs=theirs: checkpoint[theirs]) for ours, theirs in names.items()}
     for i, kind in enumerate(config.layer_types):
         if kind == "full_attention":
             fused_qkv = f"decoder.layers.{i}.self_attention.linear_qkv.weight"
             for part, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-                tensors[f"model.layers.{i}.self_attn.{proj}.weight"] = (
-                    lambda name=fused_qkv, p=part: split_qkv(checkpoint[name], config)[p])
+                tensors[f"model.layers.{i}.self_attn.{proj}.weight"] = lambda name=fused_qkv, p=part: split_qkv(
+                    checkpoint[name], config
+                )[p]
     return config, {name: tensors[name] for name in expected_tensors(config)}  # in the model's order
 
 
@@ -378,10 +440,17 @@ def to_megatron(state_dict: dict[str, torch.Tensor], config: SambaConfig) -> dic
 
 
 # The order of a block's tensors in the released state dict.
-BLOCK_ORDER = ("norm.weight", "mixer.in_proj.layer_norm_weight", *(f"mixer.{name}" for name in MAMBA_TENSORS),
-               "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
-               "self_attention.linear_proj.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
-               "mlp.linear_fc2.weight")
+BLOCK_ORDER = (
+    "norm.weight",
+    "mixer.in_proj.layer_norm_weight",
+    *(f"mixer.{name}" for name in MAMBA_TENSORS),
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_proj.weight",
+    "mlp.linear_fc1.layer_norm_weight",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc2.weight",
+)
 
 
 def released_order(name: str) -> tuple:
@@ -409,8 +478,10 @@ def check_exportable(config: SambaConfig, src) -> None:
     if config.mamba_proj_bias or config.attention_bias or not config.mamba_conv_bias:
         problems.append("its biases differ from Megatron's (no linear biases, a conv bias)")
     if "mlp" in config.layer_types and (config.mlp_hidden_act or config.hidden_act) not in ("gelu", "relu2"):
-        problems.append(f"its MLP activation is {config.mlp_hidden_act or config.hidden_act!r} (Megatron's: gelu, "
-                        "or relu2 with --squared-relu)")
+        problems.append(
+            f"its MLP activation is {config.mlp_hidden_act or config.hidden_act!r} (Megatron's: gelu, "
+            "or relu2 with --squared-relu)"
+        )
     if "linear_attention" in config.layer_types and config.hidden_act != "silu":
         problems.append(f"its Mamba activation is {config.hidden_act!r} (Megatron's: silu)")
     if not math.isclose(config.rms_norm_eps, 1e-5):
@@ -424,15 +495,33 @@ def megatron_args(config: SambaConfig) -> argparse.Namespace:
     layout; the Mamba-2 sizes as later Megatron records them."""
     pattern = config.hybrid_pattern
     return argparse.Namespace(
-        num_layers=len(pattern), hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size or None,
-        num_attention_heads=config.num_attention_heads, group_query_attention=True,
-        num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim, norm_epsilon=config.rms_norm_eps,
-        normalization="RMSNorm", hybrid_override_pattern=pattern, hybrid_attention_ratio=pattern.count("*") / len(pattern),
-        hybrid_mlp_ratio=pattern.count("-") / len(pattern), position_embedding_type="none",
-        untie_embeddings_and_output_weights=not config.tie_word_embeddings, padded_vocab_size=config.vocab_size,
-        seq_length=config.max_position_embeddings, max_position_embeddings=config.max_position_embeddings,
-        add_bias_linear=False, swiglu=False, squared_relu=(config.mlp_hidden_act == "relu2"), apply_layernorm_1p=False,
-        bf16=True, fp16=False, params_dtype=torch.bfloat16, mamba_state_dim=config.mamba_d_state,
-        mamba_head_dim=config.mamba2_head_dim, mamba_num_groups=config.mamba2_n_groups,
-        mamba_num_heads=config.mamba2_num_heads, spec=["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"],
+        num_layers=len(pattern),
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size or None,
+        num_attention_heads=config.num_attention_heads,
+        group_query_attention=True,
+        num_query_groups=config.num_key_value_heads,
+        kv_channels=config.head_dim,
+        norm_epsilon=config.rms_norm_eps,
+        normalization="RMSNorm",
+        hybrid_override_pattern=pattern,
+        hybrid_attention_ratio=pattern.count("*") / len(pattern),
+        hybrid_mlp_ratio=pattern.count("-") / len(pattern),
+        position_embedding_type="none",
+        untie_embeddings_and_output_weights=not config.tie_word_embeddings,
+        padded_vocab_size=config.vocab_size,
+        seq_length=config.max_position_embeddings,
+        max_position_embeddings=config.max_position_embeddings,
+        add_bias_linear=False,
+        swiglu=False,
+        squared_relu=(config.mlp_hidden_act == "relu2"),
+        apply_layernorm_1p=False,
+        bf16=True,
+        fp16=False,
+        params_dtype=torch.bfloat16,
+        mamba_state_dim=config.mamba_d_state,
+        mamba_head_dim=config.mamba2_head_dim,
+        mamba_num_groups=config.mamba2_n_groups,
+        mamba_num_heads=config.mamba2_num_heads,
+        spec=["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"],
     )

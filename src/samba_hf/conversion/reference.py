@@ -74,6 +74,7 @@ def _swiglu(h, gate, up, down):
 
 def lit_gpt_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch.Tensor:
     """The official model (lit_gpt/model.py: GPT, Block, CausalSelfAttention, LLaMAMLP) in float64."""
+
     def get(name):
         return state_dict[name].double()
 
@@ -104,6 +105,7 @@ def lit_gpt_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch.
 
 def fla_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch.Tensor:
     """FLA's SambaForCausalLM (fla/models/samba/modeling_samba.py) in float64."""
+
     def get(name):
         return state_dict[name].double()
 
@@ -157,6 +159,7 @@ def _mamba2(x, get, config: SambaConfig):
 def megatron_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch.Tensor:
     """Megatron-LM's MambaModel (megatron/core/models/mamba, the blocks of its hybrid stack) in float64, from the
     checkpoint's own key names: the unfused (released) or fused Mamba norm, the GQA-interleaved linear_qkv."""
+
     def get(name):
         return state_dict[name].double()
 
@@ -165,7 +168,11 @@ def megatron_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch
     for i, kind in enumerate(config.layer_types):
         block = f"decoder.layers.{i}"
         if kind == "linear_attention":
-            norm = f"{block}.norm.weight" if f"{block}.norm.weight" in state_dict else f"{block}.mixer.in_proj.layer_norm_weight"
+            norm = (
+                f"{block}.norm.weight"
+                if f"{block}.norm.weight" in state_dict
+                else f"{block}.mixer.in_proj.layer_norm_weight"
+            )
             x = x + _mamba2(_rms_norm(x, get(norm), eps), lambda name: get(f"{block}.mixer.{name}"), config)
         elif kind == "full_attention":
             h = _rms_norm(x, get(f"{block}.self_attention.linear_qkv.layer_norm_weight"), eps)
@@ -178,7 +185,9 @@ def megatron_logits(state_dict, config: SambaConfig, ids: torch.Tensor) -> torch
             x = x + _attention(q, k, v, config, None) @ get(f"{block}.self_attention.linear_proj.weight").T
         else:
             h = _rms_norm(x, get(f"{block}.mlp.linear_fc1.layer_norm_weight"), eps)
-            act = (lambda a: F.relu(a) ** 2) if config.mlp_hidden_act == "relu2" else F.gelu  # Megatron: exact erf GELU
+            act = (
+                (lambda a: F.relu(a) ** 2) if config.mlp_hidden_act == "relu2" else F.gelu
+            )  # Megatron: exact erf GELU
             x = x + act(h @ get(f"{block}.mlp.linear_fc1.weight").T) @ get(f"{block}.mlp.linear_fc2.weight").T
     x = _rms_norm(x, get("decoder.final_norm.weight"), eps)
     head = "output_layer.weight" if "output_layer.weight" in state_dict else "embedding.word_embeddings.weight"

@@ -63,7 +63,12 @@ MODEL_TYPES = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}
 # Characters that split grapheme clusters (Control): put between every two characters, one of them makes `tokenizers`'
 # Precompiled normalizer map one character at a time (see "The character map" below).
 _BREAKERS = [chr(c) for c in [*range(1, 9), 11, 12, *range(14, 32), 127, *range(0x80, 0xA0)]] + [
-    "\u200b", "\u2028", "\u2029", "\ufeff", "\u00ad"]
+    "\u200b",
+    "\u2028",
+    "\u2029",
+    "\ufeff",
+    "\u00ad",
+]
 
 
 def _escape(text: str) -> str:
@@ -121,8 +126,10 @@ def read_sentencepiece(model_file: str | os.PathLike):
         processor = sentencepiece.SentencePieceProcessor(model_proto=blob)
     except Exception as error:
         why = f"{type(error).__name__}: {str(error).splitlines()[0]}" if str(error) else type(error).__name__
-        raise ConversionError(f"{path} is not a SentencePiece model ({why}): the file is truncated, corrupt or of "
-                              "another format. Pass the tokenizer's .model file as trained.") from None
+        raise ConversionError(
+            f"{path} is not a SentencePiece model ({why}): the file is truncated, corrupt or of "
+            "another format. Pass the tokenizer's .model file as trained."
+        ) from None
     return proto, processor
 
 
@@ -154,8 +161,13 @@ class _Converter:
         tokenizer.post_processor = None
         special = [i for i, (_, _, kind) in enumerate(self.pieces) if kind in (CONTROL, UNKNOWN)]
         tokenizer.add_special_tokens([AddedToken(self.pieces[i][0], special=True, normalized=False) for i in special])
-        tokenizer.add_tokens([AddedToken(piece, special=False, normalized=True)
-                              for piece, _, kind in self.pieces if kind == USER_DEFINED])
+        tokenizer.add_tokens(
+            [
+                AddedToken(piece, special=False, normalized=True)
+                for piece, _, kind in self.pieces
+                if kind == USER_DEFINED
+            ]
+        )
         for i, (piece, _, _) in enumerate(self.pieces):
             if tokenizer.token_to_id(piece) != i:  # an added token got another id than the model's
                 self.refuse(f"piece {i} ({piece!r})", "it does not keep its id in the tokenizer")
@@ -176,15 +188,19 @@ class _Converter:
             add_eos_token=False,
         )
         if len(hf) != processor.get_piece_size():
-            self.refuse("the vocabulary", f"the tokenizer has {len(hf)} tokens for {processor.get_piece_size()} pieces")
+            self.refuse(
+                "the vocabulary", f"the tokenizer has {len(hf)} tokens for {processor.get_piece_size()} pieces"
+            )
         return hf
 
     # ----------------------------------------------------------------------------------------------------------------
     def check_pieces(self):
         trainer, normalizer = self.trainer_spec, self.normalizer_spec
         if trainer.model_type not in (UNIGRAM, BPE, CHAR):
-            self.refuse(f"trainer_spec.model_type={MODEL_TYPES.get(trainer.model_type, trainer.model_type)}",
-                        "only unigram, bpe and char models are supported")
+            self.refuse(
+                f"trainer_spec.model_type={MODEL_TYPES.get(trainer.model_type, trainer.model_type)}",
+                "only unigram, bpe and char models are supported",
+            )
         if self.proto.HasField("denormalizer_spec") and self.proto.denormalizer_spec.precompiled_charsmap:
             self.refuse("denormalizer_spec", "tokenizers' decoders cannot apply a character map to decoded text")
         seen = {}
@@ -198,14 +214,20 @@ class _Converter:
                 self.refuse(f"piece {i} ({piece!r})", "a one-character control/unk piece would match that character")
             if kind == USER_DEFINED:
                 if trainer.model_type == UNIGRAM:
-                    self.refuse(f"trainer_spec.user_defined_symbols ({piece!r}) in a unigram model",
-                                "SentencePiece scores them in the lattice, which tokenizers cannot do")
+                    self.refuse(
+                        f"trainer_spec.user_defined_symbols ({piece!r}) in a unigram model",
+                        "SentencePiece scores them in the lattice, which tokenizers cannot do",
+                    )
                 if trainer.treat_whitespace_as_suffix and normalizer.add_dummy_prefix:
-                    self.refuse(f"trainer_spec.user_defined_symbols ({piece!r}) with treat_whitespace_as_suffix",
-                                "the dummy suffix would be part of a symbol written alone")
+                    self.refuse(
+                        f"trainer_spec.user_defined_symbols ({piece!r}) with treat_whitespace_as_suffix",
+                        "the dummy suffix would be part of a symbol written alone",
+                    )
                 if " " in piece or SPACE in piece:
-                    self.refuse(f"trainer_spec.user_defined_symbols ({piece!r})",
-                                "a symbol with whitespace is matched before escaping, which tokenizers cannot mimic")
+                    self.refuse(
+                        f"trainer_spec.user_defined_symbols ({piece!r})",
+                        "a symbol with whitespace is matched before escaping, which tokenizers cannot mimic",
+                    )
         normal = {piece for piece, _, kind in self.pieces if kind == NORMAL}
         for piece, _, kind in self.pieces:
             # SentencePiece merges (BPE) or scores (unigram: the <unk> penalty) a character that is no piece inside a
@@ -223,19 +245,33 @@ class _Converter:
             return
         # strict=True: also refuse what is reproduced on all but some texts (see the module docstring).
         if trainer.model_type == UNIGRAM:
-            self.refuse("trainer_spec.model_type=unigram (strict=True)", "tokenizers adds the scores in float64 and "
-                        "SentencePiece in float32, so exact ties between segmentations may be resolved differently")
+            self.refuse(
+                "trainer_spec.model_type=unigram (strict=True)",
+                "tokenizers adds the scores in float64 and "
+                "SentencePiece in float32, so exact ties between segmentations may be resolved differently",
+            )
         if self.user_defined and normalizer.add_dummy_prefix:
-            self.refuse("trainer_spec.user_defined_symbols with add_dummy_prefix (strict=True)",
-                        "a text that is exactly one symbol gets no dummy prefix")
-        if trainer.treat_whitespace_as_suffix and normalizer.add_dummy_prefix and normalizer.remove_extra_whitespaces \
-                and normalizer.precompiled_charsmap:
-            self.refuse("treat_whitespace_as_suffix with a character map (strict=True)",
-                        "a text the map deletes entirely gets no dummy suffix")
+            self.refuse(
+                "trainer_spec.user_defined_symbols with add_dummy_prefix (strict=True)",
+                "a text that is exactly one symbol gets no dummy prefix",
+            )
+        if (
+            trainer.treat_whitespace_as_suffix
+            and normalizer.add_dummy_prefix
+            and normalizer.remove_extra_whitespaces
+            and normalizer.precompiled_charsmap
+        ):
+            self.refuse(
+                "treat_whitespace_as_suffix with a character map (strict=True)",
+                "a text the map deletes entirely gets no dummy suffix",
+            )
         scores = [score for piece, score, kind in self.pieces if kind == NORMAL and len(piece) > 1]
         if trainer.model_type == BPE and len(set(scores)) != len(scores):
-            self.refuse("the piece scores (strict=True)", "two merged pieces share a score, and SentencePiece orders "
-                        "their merges by position where tokenizers orders them by rank")
+            self.refuse(
+                "the piece scores (strict=True)",
+                "two merged pieces share a score, and SentencePiece orders "
+                "their merges by position where tokenizers orders them by rank",
+            )
 
     # ----------------------------------------------------------------------------------------------------------------
     def bpe(self):
@@ -255,8 +291,12 @@ class _Converter:
         ranked.sort()
         vocab = {piece: i for i, (piece, _, _) in enumerate(self.pieces)}
         return models.BPE(
-            vocab=vocab, merges=[(left, right) for *_, left, right in ranked], unk_token=self.pieces[self.unk_id][0],
-            fuse_unk=True, byte_fallback=self.trainer_spec.byte_fallback, dropout=None,
+            vocab=vocab,
+            merges=[(left, right) for *_, left, right in ranked],
+            unk_token=self.pieces[self.unk_id][0],
+            fuse_unk=True,
+            byte_fallback=self.trainer_spec.byte_fallback,
+            dropout=None,
         )
 
     def unigram(self):
@@ -299,12 +339,14 @@ class _Converter:
             steps += self.charsmap_normalizers()
         if strip:
             steps += [normalizers.Replace(Regex(" {2,}"), " "), normalizers.Replace(Regex(r"\A +"), "")]
-            # After escaping, SentencePiece strips trailing U+2581s, spaces or not; then adds a dummy suffix to any text
-            # that was not all spaces (one of "\u2581"s only gets it too).
+            # After escaping, SentencePiece strips trailing U+2581s, spaces or not; then adds a dummy suffix to any
+            # text that was not all spaces (one of "\u2581"s only gets it too).
             trailing = f"[ {SPACE}]+" if space == SPACE else " +"
             if spec.add_dummy_prefix and suffix:
-                steps += [normalizers.Replace(Regex(r"(?<=[\s\S])\z"), space),
-                          normalizers.Replace(Regex(f"{trailing}(?={_escape(space)}\\z)"), "")]
+                steps += [
+                    normalizers.Replace(Regex(r"(?<=[\s\S])\z"), space),
+                    normalizers.Replace(Regex(f"{trailing}(?={_escape(space)}\\z)"), ""),
+                ]
             else:
                 steps.append(normalizers.Replace(Regex(trailing + r"\z"), ""))
         if space == SPACE:
@@ -349,14 +391,19 @@ class _Converter:
         # remove_extra_whitespaces: keep it as a marker until the pieces are joined and we know what came first.
         drop_first = spec.add_dummy_prefix or spec.remove_extra_whitespaces
         steps.append(decoders.Replace(Regex(f"(?<=[\\s\\S]){SPACE}") if drop_first else SPACE, " "))
-        steps.append(decoders.Replace(Regex(r"\A" + _escape(self.pieces[self.unk_id][0]) + r"\z"), trainer.unk_surface))
+        steps.append(
+            decoders.Replace(Regex(r"\A" + _escape(self.pieces[self.unk_id][0]) + r"\z"), trainer.unk_surface)
+        )
         if trainer.byte_fallback:
             # SentencePiece decodes a run of byte pieces character by character (U+FFFD for each byte that starts no
             # valid character), ByteFallback all or nothing. So a byte that is never valid UTF-8 becomes U+FFFD
             # first, and ASCII bytes (always a character) are hidden from a first ByteFallback as "<0y..>" (splitting
             # the runs there) and decoded by a second one.
-            hide = next(f"<0{c}" for c in "yzwvu" if not any(re.fullmatch(f"<0{c}[0-7][0-9A-F]>", p)
-                                                              for p, _, _ in self.pieces))
+            hide = next(
+                f"<0{c}"
+                for c in "yzwvu"
+                if not any(re.fullmatch(f"<0{c}[0-7][0-9A-F]>", p) for p, _, _ in self.pieces)
+            )
             ascii_byte = "(?=[0-7][0-9A-F]>\\z)"
             steps += [
                 decoders.Replace(Regex(r"\A<0x(?:C[01]|F[5-9A-F])>\z"), "\ufffd"),
@@ -399,8 +446,8 @@ def _charsmap_rules_cached(blob: bytes) -> tuple:
     import numpy as np
 
     (size,) = struct.unpack("<I", blob[:4])
-    units = np.frombuffer(blob[4:4 + size], dtype="<u4").astype(np.int64)
-    strings = blob[4 + size:]
+    units = np.frombuffer(blob[4 : 4 + size], dtype="<u4").astype(np.int64)
+    strings = blob[4 + size :]
 
     def offset(unit):
         return (unit >> 10) << ((unit & (1 << 9)) >> 6)
@@ -411,7 +458,7 @@ def _charsmap_rules_cached(blob: bytes) -> tuple:
     while len(keys):
         next_bases, next_keys = [], []
         for chunk in range(0, len(keys), 2048):
-            children = bases[chunk:chunk + 2048, None] ^ labels[None, :]
+            children = bases[chunk : chunk + 2048, None] ^ labels[None, :]
             inside = children < len(units)
             found = inside & ((units[np.where(inside, children, 0)] & ((1 << 31) | 0xFF)) == labels[None, :])
             parent, label = np.nonzero(found)
@@ -420,11 +467,12 @@ def _charsmap_rules_cached(blob: bytes) -> tuple:
             positions = child ^ offset(child_units)
             leaves = (child_units >> 8) & 1
             values = units[np.where(leaves == 1, positions, 0)] & ((1 << 31) - 1)
-            for p, char, position, leaf, value in zip((parent + chunk).tolist(), (label + 1).tolist(),
-                                                      positions.tolist(), leaves.tolist(), values.tolist()):
+            for p, char, position, leaf, value in zip(
+                (parent + chunk).tolist(), (label + 1).tolist(), positions.tolist(), leaves.tolist(), values.tolist()
+            ):
                 source = keys[p] + bytes((char,))
                 if leaf:  # the rule's replacement starts at the leaf's value
-                    rules.append((source, strings[value:strings.index(b"\0", value)]))
+                    rules.append((source, strings[value : strings.index(b"\0", value)]))
                 next_keys.append(source)
             next_bases.append(positions)
         bases = np.concatenate(next_bases) if next_bases else np.array([], dtype=np.int64)
@@ -434,12 +482,15 @@ def _charsmap_rules_cached(blob: bytes) -> tuple:
 
 @lru_cache(maxsize=1)
 def _canonical_decomposables() -> tuple:
-    return tuple(chr(c) for c in range(0x110000)
-                 if not 0xD800 <= c < 0xE000 and unicodedata.decomposition(chr(c))[:1] not in ("", "<"))
+    return tuple(
+        chr(c)
+        for c in range(0x110000)
+        if not 0xD800 <= c < 0xE000 and unicodedata.decomposition(chr(c))[:1] not in ("", "<")
+    )
 
 
 def _charsmap_normalizers(proto, converter, strict: bool) -> list:
-    from tokenizers import Regex, normalizers
+    from tokenizers import normalizers
 
     setting = f"normalizer_spec.precompiled_charsmap (name {proto.normalizer_spec.name!r})"
     blob = proto.normalizer_spec.precompiled_charsmap
@@ -448,8 +499,10 @@ def _charsmap_normalizers(proto, converter, strict: bool) -> list:
         converter.refuse(setting, plan)
     breaker, nfc, fixes = plan
     if nfc and strict:
-        converter.refuse(setting + " (strict=True)", "it composes characters, which is reproduced only for text whose "
-                         "combining marks are in canonical order")
+        converter.refuse(
+            setting + " (strict=True)",
+            "it composes characters, which is reproduced only for text whose combining marks are in canonical order",
+        )
     steps = _per_character(blob, breaker)
     if nfc:
         steps.append(normalizers.NFC())
@@ -471,8 +524,10 @@ def _per_character(blob: bytes, breaker: str) -> list:
     steps = [normalizers.Replace(Regex(r"(?<=[\s\S])(?=[\s\S])"), breaker), normalizers.Precompiled(blob)]
     if not _charsmap_deletes(blob, breaker):
         b = _escape(breaker)
-        steps += [normalizers.Replace(Regex(f"(?<=[^{b}]){b}(?={b}*[^{b}])"), ""),
-                  normalizers.Replace(breaker * 2, breaker)]
+        steps += [
+            normalizers.Replace(Regex(f"(?<=[^{b}]){b}(?={b}*[^{b}])"), ""),
+            normalizers.Replace(breaker * 2, breaker),
+        ]
     return steps
 
 
@@ -486,14 +541,14 @@ def _charsmap_plan(blob: bytes):
     of the map, or why that is impossible."""
     import sentencepiece
     from sentencepiece import sentencepiece_model_pb2
-    from tokenizers import Regex, normalizers
+    from tokenizers import normalizers
 
     try:
         rules = {source.decode(): target.decode() for source, target in _charsmap_rules(blob).items()}
     except Exception as error:
         return f"its rules cannot be read ({type(error).__name__}: {error})"
     if rules.get(SPACE, " ") != " " or " " in rules:
-        return f"it maps {SPACE!r} or \" \" to something else than a space"
+        return f'it maps {SPACE!r} or " " to something else than a space'
     if any("  " in target for target in rules.values()):
         return "a rule writes two spaces, which remove_extra_whitespaces keeps only at its start"
     in_long_rules = {c for source in rules if len(source) > 1 for c in source}
@@ -537,9 +592,18 @@ def _charsmap_plan(blob: bytes):
 
     # Every rule's source, every character Unicode decomposes canonically (NFC may change it where no rule does), and
     # the separator in the text.
-    probes = sorted(set(rules) | set(_canonical_decomposables()) | {breaker * n + "a" * m + breaker * k + "b"[:j]
-                                                                   for n in range(3) for m in range(2)
-                                                                   for k in range(3) for j in range(2)} - {""})
+    probes = sorted(
+        set(rules)
+        | set(_canonical_decomposables())
+        | {
+            breaker * n + "a" * m + breaker * k + "b"[:j]
+            for n in range(3)
+            for m in range(2)
+            for k in range(3)
+            for j in range(2)
+        }
+        - {""}
+    )
     per_character = _per_character(blob, breaker)
     wrong = differences(per_character, probes)
     if wrong == []:

@@ -30,7 +30,8 @@ def load_tokenizer(path: str | Path, add_bos: bool | None) -> PreTrainedTokenize
             return AutoTokenizer.from_pretrained(path, **options)
     except Exception as error:
         raise ConversionError(
-            f"cannot load the tokenizer {path} ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+            f"cannot load the tokenizer {path} "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
             "A SentencePiece file needs `pip install sentencepiece protobuf` (or `pip install samba-hf[convert]`)."
         ) from None
     raise ConversionError(f"--tokenizer {path}: give a SentencePiece tokenizer.model file or a tokenizer folder.")

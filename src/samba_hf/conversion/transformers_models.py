@@ -1,7 +1,8 @@
 """transformers' Mamba, Mistral and Llama folders as Samba layouts: the paper's baselines in the same class.
 
 - `MambaForCausalLM` -> all "linear_attention" layers, no MLP (`intermediate_size=0`);
-  backbone.embeddings / layers.{i}.norm / layers.{i}.mixer.* / norm_f -> embed_tokens / input_layernorm / mamba.* / norm.
+  backbone.embeddings / layers.{i}.norm / layers.{i}.mixer.* / norm_f
+  -> embed_tokens / input_layernorm / mamba.* / norm.
 - `MistralForCausalLM` -> all "sliding_attention" layers (all "full_attention" when `sliding_window` is null);
 - `LlamaForCausalLM` -> all "full_attention" layers.
   Mistral and Llama keys are already samba-hf's (model.layers.{i}.self_attn.q_proj, mlp.gate_proj, ...).
@@ -10,6 +11,7 @@
 from ..configuration_samba import SambaConfig
 from .checkpoint import Checkpoint, ConversionError, check_layout, heads_tied
 from .writer import expected_tensors
+
 
 def _require(hf: dict, model_type: str):
     if hf.get("model_type") != model_type:
@@ -24,14 +26,24 @@ def config_from_mamba(hf: dict) -> SambaConfig:
     hidden = hf["hidden_size"]
     rank = hf.get("time_step_rank", "auto")
     return SambaConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hidden, intermediate_size=0,
-        num_hidden_layers=hf["num_hidden_layers"], layer_types=["linear_attention"] * hf["num_hidden_layers"],
-        rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5), hidden_act=hf.get("hidden_act", "silu"),
-        mamba_d_state=hf.get("state_size", 16), mamba_d_conv=hf.get("conv_kernel", 4), mamba_expand=hf.get("expand", 2),
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=0,
+        num_hidden_layers=hf["num_hidden_layers"],
+        layer_types=["linear_attention"] * hf["num_hidden_layers"],
+        rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        hidden_act=hf.get("hidden_act", "silu"),
+        mamba_d_state=hf.get("state_size", 16),
+        mamba_d_conv=hf.get("conv_kernel", 4),
+        mamba_expand=hf.get("expand", 2),
         mamba_dt_rank=-(-hidden // 16) if rank == "auto" else rank,
-        mamba_conv_bias=hf.get("use_conv_bias", True), mamba_proj_bias=hf.get("use_bias", False),
-        tie_word_embeddings=hf.get("tie_word_embeddings", True), sliding_window=None,
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
+        mamba_conv_bias=hf.get("use_conv_bias", True),
+        mamba_proj_bias=hf.get("use_bias", False),
+        tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        sliding_window=None,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
     )
 
 
@@ -42,17 +54,31 @@ def _attention_config(hf: dict, layer_type: str, sliding_window) -> SambaConfig:
     scaling = dict(hf.get("rope_scaling") or {})
     if "type" in scaling:  # configs written before transformers 4.45 name the rope type "type"
         scaling.setdefault("rope_type", scaling.pop("type"))
-    rope = hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0), **scaling}
+    rope = hf.get("rope_parameters") or {
+        "rope_type": "default",
+        "rope_theta": hf.get("rope_theta", 10000.0),
+        **scaling,
+    }
     return SambaConfig(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-        num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
         num_key_value_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, hidden_act=hf.get("hidden_act", "silu"),
-        max_position_embeddings=hf.get("max_position_embeddings", 4096), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_parameters=rope, sliding_window=sliding_window, attention_bias=hf.get("attention_bias", False),
-        attention_dropout=hf.get("attention_dropout", 0.0), layer_types=[layer_type] * hf["num_hidden_layers"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        hidden_act=hf.get("hidden_act", "silu"),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_parameters=rope,
+        sliding_window=sliding_window,
+        attention_bias=hf.get("attention_bias", False),
+        attention_dropout=hf.get("attention_dropout", 0.0),
+        layer_types=[layer_type] * hf["num_hidden_layers"],
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
     )
 
 
@@ -70,8 +96,13 @@ def config_from_llama(hf: dict) -> SambaConfig:
 def plan_mamba(checkpoint: Checkpoint, config: SambaConfig | None = None):
     config = config or config_from_mamba(checkpoint.read_config())
     # the mixer's tensors have the same names in both (mixer.* / mamba.*): only the prefixes change
-    renames = (("model.embed_tokens.", "backbone.embeddings."), ("model.norm.", "backbone.norm_f."),
-               ("model.layers.", "backbone.layers."), (".input_layernorm.", ".norm."), (".mamba.", ".mixer."))
+    renames = (
+        ("model.embed_tokens.", "backbone.embeddings."),
+        ("model.norm.", "backbone.norm_f."),
+        ("model.layers.", "backbone.layers."),
+        (".input_layernorm.", ".norm."),
+        (".mamba.", ".mixer."),
+    )
     names = {"lm_head.weight": "lm_head.weight"}
     for ours in expected_tensors(config):
         theirs = ours
@@ -97,7 +128,9 @@ def _rename(checkpoint, config, names, source, embedding):
     targets = expected_tensors(config) | {"lm_head.weight": (config.vocab_size, config.hidden_size)}
     names = {ours: theirs for ours, theirs in names.items() if ours in targets}
     check_layout(
-        checkpoint, {names[ours]: shape for ours, shape in targets.items()}, source,
+        checkpoint,
+        {names[ours]: shape for ours, shape in targets.items()},
+        source,
         optional={"lm_head.weight"} if config.tie_word_embeddings else set(),
         ignored=lambda name: name.endswith("rotary_emb.inv_freq"),
     )

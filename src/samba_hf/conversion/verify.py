@@ -49,8 +49,10 @@ def verify(
     difference = (ours - expected).abs().max().item()
     scale = max(1.0, expected.abs().max().item())
     kind = "transformers' own class" if source in ("mamba", "mistral", "llama") else "a float64 forward of the source"
-    summary = (f"max |logit difference| {difference:.3g} (logits up to {scale:.3g}) on 2 x {num_tokens} random tokens, "
-               f"converted model in float32 against {kind}")
+    summary = (
+        f"max |logit difference| {difference:.3g} (logits up to {scale:.3g}) on 2 x {num_tokens} random tokens, "
+        f"converted model in float32 against {kind}"
+    )
     if dtype == torch.float32 and difference > 1e-3 * scale:
         raise ConversionError(f"verification failed: {summary}. Nothing was written.")
     return difference, summary

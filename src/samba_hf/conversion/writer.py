@@ -91,11 +91,15 @@ def check_output(out: Path, force: bool, sources: tuple[Path, ...] = ()):
         return
     if not force:
         raise ConversionError(f"{out} is not empty; choose a new folder, or pass --force to replace it.")
-    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()
-                     if p.is_dir() or not OUR_FILES.fullmatch(p.name))
+    foreign = sorted(
+        p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if p.is_dir() or not OUR_FILES.fullmatch(p.name)
+    )
     if foreign or not _is_samba_config(out / "config.json"):
-        what = f"holds files samba-hf does not write ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''})" \
-            if foreign else "is not a samba-hf model folder (no samba config.json)"
+        what = (
+            f"holds files samba-hf does not write ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''})"
+            if foreign
+            else "is not a samba-hf model folder (no samba config.json)"
+        )
         raise ConversionError(
             f"{out} {what}; --force only replaces an earlier samba-hf output. Choose a new folder, or move those "
             "files away yourself."
@@ -187,10 +191,13 @@ def os_errors(out: Path):
         yield
     except OSError as error:
         where = error.filename or out
-        fix = {errno.ENOSPC: "free some space or write elsewhere", errno.EROFS: "choose a writable location",
-               errno.EACCES: "choose a folder you can write to", errno.ENOTDIR: "a parent of OUT is a file; choose "
-               "another path", errno.EEXIST: "a parent of OUT is a file; choose another path"}.get(
-                   error.errno, "check the output path")
+        fix = {
+            errno.ENOSPC: "free some space or write elsewhere",
+            errno.EROFS: "choose a writable location",
+            errno.EACCES: "choose a folder you can write to",
+            errno.ENOTDIR: "a parent of OUT is a file; choose another path",
+            errno.EEXIST: "a parent of OUT is a file; choose another path",
+        }.get(error.errno, "check the output path")
         raise ConversionError(f"cannot write {out}: {error.strerror or error} ({where}); {fix}.") from None
 
 
@@ -251,7 +258,8 @@ def write_safetensors(
                     raise ConversionError(
                         f"{name} is {str(tensor.dtype).removeprefix('torch.')} in the source checkpoint, not a "
                         "floating-point type: samba-hf converts floating-point weights (dequantize a quantized "
-                        "checkpoint first). Nothing was written.")
+                        "checkpoint first). Nothing was written."
+                    )
                 cast = tensor.to(torch.float32 if keeps_float32(name) else dtype).contiguous()
                 if not bool(torch.isfinite(cast).all()):
                     raise ConversionError(non_finite_message(name, tensor, cast.dtype))
@@ -272,11 +280,15 @@ def write_safetensors(
 def non_finite_message(name: str, source: torch.Tensor, dtype: torch.dtype) -> str:
     """Why a tensor would be written with NaN/inf: damaged in the source, or too large for the output dtype."""
     if not bool(torch.isfinite(source).all()):
-        return (f"{name} holds NaN or inf values in the source checkpoint: the checkpoint is damaged (a diverged or "
-                "interrupted training run?). Nothing was written.")
+        return (
+            f"{name} holds NaN or inf values in the source checkpoint: the checkpoint is damaged (a diverged or "
+            "interrupted training run?). Nothing was written."
+        )
     largest = source.abs().max().item()
-    return (f"{name} has values up to {largest:.4g}, beyond the range of {str(dtype).removeprefix('torch.')} "
-            f"(they would be written as inf). Convert with --dtype bfloat16 or float32. Nothing was written.")
+    return (
+        f"{name} has values up to {largest:.4g}, beyond the range of {str(dtype).removeprefix('torch.')} "
+        f"(they would be written as inf). Convert with --dtype bfloat16 or float32. Nothing was written."
+    )
 
 
 def write_config_and_code(folder: Path, config: SambaConfig, dtype: torch.dtype):
@@ -289,15 +301,30 @@ def write_config_and_code(folder: Path, config: SambaConfig, dtype: torch.dtype)
     generation.save_pretrained(folder)
 
 
-def write_model_card(folder: Path, source: str, src: str, command: str, parity: str, config: SambaConfig,
-                     base_model: str | None = None, license: str = "unknown"):
+def write_model_card(
+    folder: Path,
+    source: str,
+    src: str,
+    command: str,
+    parity: str,
+    config: SambaConfig,
+    base_model: str | None = None,
+    license: str = "unknown",
+):
     params = sum(int(torch.Size(s).numel()) for s in expected_tensors(config).values())
-    details = (f"Converted with samba-hf from `{src}` ({source} format): {params:,} parameters, weights stored as "
-               f"{str(config.dtype).replace('torch.', '')}.\n\n- Command: `{command}`\n- Parity at conversion: {parity}")
+    details = (
+        f"Converted with samba-hf from `{src}` ({source} format): {params:,} parameters, weights stored as "
+        f"{str(config.dtype).replace('torch.', '')}.\n\n- Command: `{command}`\n- Parity at conversion: {parity}"
+    )
     mamba2 = config.mamba_version == 2
-    text = model_card(config, f"{'Mamba-2 hybrid' if mamba2 else 'Samba'} model converted from {source}", details,
-                      license=license, base_model=base_model,
-                      extra_tags=["converted", source, *(["mamba2"] if mamba2 else [])])
+    text = model_card(
+        config,
+        f"{'Mamba-2 hybrid' if mamba2 else 'Samba'} model converted from {source}",
+        details,
+        license=license,
+        base_model=base_model,
+        extra_tags=["converted", source, *(["mamba2"] if mamba2 else [])],
+    )
     (folder / "README.md").write_text(text)
 
 

