@@ -139,10 +139,11 @@ def load(
     any_model: bool = False,
     default: str = "default",
     flag: str = "--model",
+    kernels: str = "auto",
 ):
     """(tokenizer, model) for generate / eval: a local folder is checked in full first (`samba_hf.model_folder`).
     `any_model`: any causal LM transformers loads (eval), not only Samba / SambaY (generate). `flag`: the option that
-    named the folder, for the errors."""
+    named the folder, for the errors. `kernels`: `--kernels`, the kernel switch (`set_kernel_implementation`)."""
     from .model_folder import (
         ModelFolderError,
         check_generation_config,
@@ -190,7 +191,15 @@ def load(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {model.config.vocab_size}: "
             "they do not belong together; pass the model's own tokenizer with --tokenizer"
         )
-    return tokenizer, model.to(device).eval()
+    model = model.to(device).eval()
+    if kernels != "auto":
+        if not hasattr(model, "set_kernel_implementation"):
+            raise UserError(f"--kernels {kernels} chooses samba-hf's kernels; {path!r} is not a samba-hf model")
+        try:
+            model.set_kernel_implementation(kernels)
+        except ValueError as error:
+            raise UserError(f"--kernels {kernels}: {error}")
+    return tokenizer, model
 
 
 def _folder_model_type(path: str) -> str | None:
@@ -261,7 +270,7 @@ def generate(args) -> int:
 
     device = resolve_device(args.device)
     dtype = chosen_dtype(args.dtype, device)
-    tokenizer, model = load(args.model, args.tokenizer, device, dtype)
+    tokenizer, model = load(args.model, args.tokenizer, device, dtype, kernels=args.kernels)
     if args.model is None:
         print(f"samba-hf: {DEFAULT_MODEL_NOTE}", file=sys.stderr)
 
@@ -470,7 +479,9 @@ def evaluate(args) -> int:
     device = resolve_device(args.device)
     dtype = chosen_dtype(args.dtype, device)
     default = "passkey" if args.task == "passkey" else "default"
-    tokenizer, model = load(args.model, args.tokenizer, device, dtype, any_model=True, default=default)
+    tokenizer, model = load(
+        args.model, args.tokenizer, device, dtype, any_model=True, default=default, kernels=args.kernels
+    )
     if args.model is None:
         print(f"samba-hf: {PASSKEY_MODEL_NOTE if default == 'passkey' else DEFAULT_MODEL_NOTE}", file=sys.stderr)
     name = args.model or f"embedded {default} model"

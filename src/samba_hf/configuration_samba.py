@@ -28,6 +28,8 @@ from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
+from .kernels_samba import resolve_kernel_implementation
+
 LAYER_TYPES = ("linear_attention", "sliding_attention", "full_attention", "mlp")
 MIXER_TYPES = LAYER_TYPES[:3]
 
@@ -41,10 +43,6 @@ INT_FIELDS = (
     "hidden_size",
     "intermediate_size",
     "num_attention_heads",
-    "mamba_d_state",
-    "mamba_d_conv",
-    "mamba_expand",
-    "inference_chunk_size",
     "mamba_version",
     "mamba2_head_dim",
     "mamba2_n_groups",
@@ -71,18 +69,12 @@ FLOAT_FIELDS = (
     "initializer_range",
     "rms_norm_eps",
     "attention_dropout",
-    "mamba_dt_min",
-    "mamba_dt_max",
-    "mamba_dt_init_floor",
-    "mamba_dt_scale",
 )
 BOOL_FIELDS = (
     "use_cache",
     "tie_word_embeddings",
     "use_rope",
     "attention_bias",
-    "mamba_conv_bias",
-    "mamba_proj_bias",
     "mlp_gated",
 )
 
@@ -121,41 +113,105 @@ def check_field_types(config, fields: dict[str, tuple[str, ...]]):
                 )
 
 
-def check_shared_fields(config):
-    """The fields Samba and SambaY share (their Mamba, activation, decoding and dropout settings), checked the same
-    way for both, after `check_field_types`."""
+# The type of each field `SambaMixerConfig` holds, checked by `check_field_types`.
+MIXER_FIELD_TYPES = {
+    "an int": ("mamba_d_state", "mamba_d_conv", "mamba_expand", "inference_chunk_size"),
+    "a finite number": ("mamba_dt_min", "mamba_dt_max", "mamba_dt_init_floor", "mamba_dt_scale"),
+    "true or false (a bool)": ("mamba_conv_bias", "mamba_proj_bias"),
+}
 
-    def refuse(message):
-        raise ValueError(f"{type(config).__name__}: {message}")
 
-    eos = config.eos_token_id
-    if not (eos is None or is_int(eos) or (isinstance(eos, list) and all(is_int(token) for token in eos))):
-        refuse(f"`eos_token_id` must be an int, a list of ints or None, got {eos!r}.")
-    rank = config.mamba_dt_rank
-    if not ((is_int(rank) and rank >= 1) or rank == "auto"):
-        refuse(f'`mamba_dt_rank` must be a positive int or "auto" (ceil(hidden_size / 16)), got {rank!r}.')
-    if not isinstance(config.hidden_act, str) or config.hidden_act not in ACT2FN:
-        refuse(
-            f"`hidden_act` must name an activation of transformers' ACT2FN, such as \"silu\" (Samba's) or "
-            f'"gelu", got {config.hidden_act!r}; known: {sorted(ACT2FN)}.'
-        )
-    if config.inference_chunk_size < 0:
-        refuse(
-            f"`inference_chunk_size` must be an integer >= 0 (0 turns chunking off), got "
-            f"{config.inference_chunk_size!r}."
-        )
-    if not 0 < config.mamba_dt_min <= config.mamba_dt_max:
-        refuse(
-            f"need 0 < `mamba_dt_min` ({config.mamba_dt_min}) <= `mamba_dt_max` ({config.mamba_dt_max}): the "
-            "range the Mamba step sizes are initialised in."
-        )
-    if not 0 <= config.attention_dropout < 1:
-        refuse(f"`attention_dropout` must be in [0, 1) (0.0 turns it off), got {config.attention_dropout}.")
-    if config.initializer_range < 0:
-        refuse(
-            f"`initializer_range` is a standard deviation: it must be >= 0 (default 0.02), got "
-            f"{config.initializer_range}."
-        )
+class SambaMixerConfig(PreTrainedConfig):
+    r"""
+    What every config of the family holds besides its layout: the Mamba mixer's sizes and initialisation (the fields
+    the mixers and `_init_weights` read), the chunked inference and the kernel switch, with their checks.
+    `SambaConfig` and `SambaYConfig` build on it; it is no model's config by itself.
+
+    Args:
+        mamba_d_state (`int`, defaults to 16): SSM state size N (per channel for Mamba, per head row for Mamba-2).
+        mamba_d_conv (`int`, defaults to 4): width of the depthwise causal convolution.
+        mamba_expand (`int`, defaults to 2): inner width = `mamba_expand * hidden_size`.
+        mamba_dt_rank (`int` or `"auto"`, defaults to `"auto"`): rank of the step-size projection;
+            `"auto"` = `ceil(hidden_size / 16)`.
+        mamba_conv_bias (`bool`, defaults to `True`): bias of the depthwise convolution.
+        mamba_proj_bias (`bool`, defaults to `False`): bias of `in_proj` and `out_proj`.
+        mamba_dt_min / mamba_dt_max (`float`, defaults to 1e-3 / 0.1): range of the initial step sizes.
+        mamba_dt_init_floor (`float`, defaults to 1e-4): smallest initial step size.
+        mamba_dt_scale (`float`, defaults to 1.0): scale of the initial `dt_proj` weights.
+        inference_chunk_size (`int`, defaults to 4096): without autograd, an unpadded input longer than this goes
+            through the layers this many tokens at a time via the cache (same result, faster on CPU at long
+            lengths, and memory bounded by the chunk). `0` turns it off.
+        kernel_implementation (`str` or `dict`, defaults to `"auto"`): which code runs the scan, the conv and the
+            linear layers: `"auto"`, `"pytorch"`, `"samba"` or `"mamba_ssm"`, or a dict of parts (`{"scan":
+            "pytorch"}`); see `kernels_samba` and docs/model.md. A choice for this process, as `attn_implementation`
+            is: not written to config.json.
+    """
+
+    mamba_d_state: int = 16
+    mamba_d_conv: int = 4
+    mamba_expand: int = 2
+    mamba_dt_rank: int | str = "auto"
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_dt_min: float = 0.001
+    mamba_dt_max: float = 0.1
+    mamba_dt_init_floor: float = 0.0001
+    mamba_dt_scale: float = 1.0
+    inference_chunk_size: int = 4096
+    kernel_implementation: str | dict | None = "auto"
+
+    @property
+    def mamba_d_inner(self) -> int:
+        return self.mamba_expand * self.hidden_size
+
+    def to_dict(self) -> dict:
+        output = super().to_dict()
+        output.pop("kernel_implementation", None)  # this process's choice, not the model's (as attn_implementation)
+        return output
+
+    def _check_shared_fields(self):
+        """The fields every config of the family has (the Mamba mixer's, activation, decoding and dropout settings,
+        the kernel switch), checked the same way for each, their types first (`check_field_types`)."""
+
+        def refuse(message):
+            raise ValueError(f"{type(self).__name__}: {message}")
+
+        check_field_types(self, MIXER_FIELD_TYPES)
+        eos = self.eos_token_id
+        if not (eos is None or is_int(eos) or (isinstance(eos, list) and all(is_int(token) for token in eos))):
+            refuse(f"`eos_token_id` must be an int, a list of ints or None, got {eos!r}.")
+        rank = self.mamba_dt_rank
+        if not ((is_int(rank) and rank >= 1) or rank == "auto"):
+            refuse(f'`mamba_dt_rank` must be a positive int or "auto" (ceil(hidden_size / 16)), got {rank!r}.')
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
+            refuse(
+                f"`hidden_act` must name an activation of transformers' ACT2FN, such as \"silu\" (Samba's) or "
+                f'"gelu", got {self.hidden_act!r}; known: {sorted(ACT2FN)}.'
+            )
+        if self.inference_chunk_size < 0:
+            refuse(
+                f"`inference_chunk_size` must be an integer >= 0 (0 turns chunking off), got "
+                f"{self.inference_chunk_size!r}."
+            )
+        if not 0 < self.mamba_dt_min <= self.mamba_dt_max:
+            refuse(
+                f"need 0 < `mamba_dt_min` ({self.mamba_dt_min}) <= `mamba_dt_max` ({self.mamba_dt_max}): the "
+                "range the Mamba step sizes are initialised in."
+            )
+        if not 0 <= self.attention_dropout < 1:
+            refuse(f"`attention_dropout` must be in [0, 1) (0.0 turns it off), got {self.attention_dropout}.")
+        if self.initializer_range < 0:
+            refuse(
+                f"`initializer_range` is a standard deviation: it must be >= 0 (default 0.02), got "
+                f"{self.initializer_range}."
+            )
+        for name in ("mamba_d_state", "mamba_d_conv", "mamba_expand"):
+            if getattr(self, name) < 1:
+                refuse(f"`{name}` must be a positive integer, got {getattr(self, name)!r}.")
+        try:
+            resolve_kernel_implementation(self.kernel_implementation)
+        except ValueError as error:
+            refuse(str(error))
 
 
 # What NVIDIA's two 8B Mamba-2 models share (their Megatron `args`: hidden 4096, 32 heads in 8 query groups of
@@ -248,7 +304,7 @@ PRESETS = {
 }
 
 
-class SambaConfig(PreTrainedConfig):
+class SambaConfig(SambaMixerConfig):
     r"""
     Configuration of a [`SambaModel`] / [`SambaForCausalLM`]. The defaults are the official Samba-421M shapes.
 
@@ -293,22 +349,12 @@ class SambaConfig(PreTrainedConfig):
             `config.hybrid_pattern` gives it back.
         mamba_version (`int`, defaults to 1): 1 for Mamba (selective scan, per-channel A), 2 for Mamba-2 (SSD: one A
             per head, B and C shared by the heads of a group, a gated group RMSNorm before `out_proj`).
-        mamba_d_state (`int`, defaults to 16): SSM state size N (per channel for Mamba, per head row for Mamba-2).
         mamba2_head_dim (`int`, defaults to 64): Mamba-2 head size P; heads = `mamba_d_inner // mamba2_head_dim`.
         mamba2_n_groups (`int`, defaults to 1): Mamba-2 groups of heads sharing B and C (and one RMSNorm group each).
         mamba2_chunk_size (`int`, defaults to 128): Mamba-2 SSD chunk length (changes rounding only).
-        mamba_d_conv (`int`, defaults to 4): width of the depthwise causal convolution.
-        mamba_expand (`int`, defaults to 2): inner width = `mamba_expand * hidden_size`.
-        mamba_dt_rank (`int` or `"auto"`, defaults to `"auto"`): rank of the step-size projection;
-            `"auto"` = `ceil(hidden_size / 16)`.
-        mamba_conv_bias (`bool`, defaults to `True`): bias of the depthwise convolution.
-        mamba_proj_bias (`bool`, defaults to `False`): bias of `in_proj` and `out_proj`.
-        mamba_dt_min / mamba_dt_max (`float`, defaults to 1e-3 / 0.1): range of the initial step sizes.
-        mamba_dt_init_floor (`float`, defaults to 1e-4): smallest initial step size.
-        mamba_dt_scale (`float`, defaults to 1.0): scale of the initial `dt_proj` weights.
-        inference_chunk_size (`int`, defaults to 4096): without autograd, an unpadded input longer than this goes
-            through the layers this many tokens at a time via the cache (same result, faster on CPU at long
-            lengths, and memory bounded by the chunk). `0` turns it off.
+        mamba_d_state, mamba_d_conv, mamba_expand, mamba_dt_rank, mamba_conv_bias, mamba_proj_bias, mamba_dt_min,
+        mamba_dt_max, mamba_dt_init_floor, mamba_dt_scale, inference_chunk_size, kernel_implementation: the Mamba
+            mixer's fields, the chunked inference and the kernel switch, as [`SambaMixerConfig`] describes them.
 
     Example:
 
@@ -360,21 +406,10 @@ class SambaConfig(PreTrainedConfig):
     attention_dropout: float | int = 0.0
     attention_bias: bool = False
     layer_types: list[str] | None = None
-    mamba_d_state: int = 16
-    mamba_d_conv: int = 4
-    mamba_expand: int = 2
-    mamba_dt_rank: int | str = "auto"
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
-    mamba_dt_min: float = 0.001
-    mamba_dt_max: float = 0.1
-    mamba_dt_init_floor: float = 0.0001
-    mamba_dt_scale: float = 1.0
     mamba_version: int = 1
     mamba2_head_dim: int = 64
     mamba2_n_groups: int = 1
     mamba2_chunk_size: int = 128
-    inference_chunk_size: int = 4096
 
     def __post_init__(self, **kwargs):
         pattern = kwargs.pop("hybrid_override_pattern", None)
@@ -403,10 +438,6 @@ class SambaConfig(PreTrainedConfig):
         self._check_samba_fields()
         super().__post_init__(**kwargs)
         self._check_rope_parameters()  # once transformers has filled in the defaults
-
-    @property
-    def mamba_d_inner(self) -> int:
-        return self.mamba_expand * self.hidden_size
 
     @property
     def mamba2_num_heads(self) -> int:
@@ -453,7 +484,7 @@ class SambaConfig(PreTrainedConfig):
                 "true or false (a bool)": BOOL_FIELDS,
             },
         )
-        check_shared_fields(self)
+        self._check_shared_fields()
         if self.mlp_hidden_act is not None and (
             not isinstance(self.mlp_hidden_act, str) or self.mlp_hidden_act not in ACT2FN
         ):
@@ -478,9 +509,6 @@ class SambaConfig(PreTrainedConfig):
             "hidden_size",
             "num_hidden_layers",
             "max_position_embeddings",
-            "mamba_d_state",
-            "mamba_d_conv",
-            "mamba_expand",
             "mamba_dt_rank",
             "mamba2_head_dim",
             "mamba2_n_groups",

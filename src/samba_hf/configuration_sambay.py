@@ -19,9 +19,7 @@ This file is also the remote code of a saved model: it imports only torch/transf
 
 import math
 
-from transformers import PreTrainedConfig
-
-from .configuration_samba import check_field_types, check_shared_fields
+from .configuration_samba import SambaMixerConfig, check_field_types
 
 BLOCK_TYPES = ("mamba", "sliding_attention", "memory", "full_attention", "gmu", "cross_attention")
 
@@ -30,7 +28,7 @@ def fail(message: str):
     raise ValueError(f"SambaYConfig: {message}")
 
 
-class SambaYConfig(PreTrainedConfig):
+class SambaYConfig(SambaMixerConfig):
     r"""
     Configuration of a [`SambaYForCausalLM`]. The defaults are those of Phi-4-mini-flash-reasoning (3.85B).
 
@@ -48,10 +46,10 @@ class SambaYConfig(PreTrainedConfig):
         sliding_window (`int`, defaults to 512): keys visible to a sliding layer's query, the query included.
         mb_per_layer (`int`, defaults to 2): Mamba on every second layer of the self-decoder (the only value the
             release builds).
-        mamba_d_state / mamba_d_conv / mamba_expand / mamba_dt_rank: the Mamba sizes (16 / 4 / 2 / ceil(H/16)).
+        mamba_d_state / mamba_d_conv / mamba_expand / mamba_dt_rank: the Mamba sizes (16 / 4 / 2 / ceil(H/16)); these
+            and the other `mamba_*` fields, `inference_chunk_size` and `kernel_implementation` as
+            [`SambaMixerConfig`] describes them.
         tie_word_embeddings (`bool`, defaults to `True`): the head is the embedding matrix.
-        inference_chunk_size (`int`, defaults to 4096): without autograd, longer unpadded inputs go through the
-            cache this many tokens at a time (as Samba's; `0` turns it off).
         embd_pdrop, resid_pdrop, mlp_bias, lm_head_bias: in the released config.json; the released model ignores
             them (no dropout is applied, the MLP and head have no bias), and so does this one.
     """
@@ -81,22 +79,11 @@ class SambaYConfig(PreTrainedConfig):
     resid_pdrop: float | int = 0.0
     mlp_bias: bool = False
     lm_head_bias: bool = False
-    mamba_d_state: int = 16
-    mamba_d_conv: int = 4
-    mamba_expand: int = 2
-    mamba_dt_rank: int | str = "auto"
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
-    mamba_dt_min: float = 0.001
-    mamba_dt_max: float = 0.1
-    mamba_dt_init_floor: float = 0.0001
-    mamba_dt_scale: float = 1.0
     layer_types: list[str] | None = None
-    inference_chunk_size: int = 4096
 
     def __post_init__(self, **kwargs):
         check_field_types(self, FIELD_TYPES)  # as SambaConfig checks its own
-        check_shared_fields(self)
+        self._check_shared_fields()
         for name in (
             "vocab_size",
             "hidden_size",
@@ -105,9 +92,6 @@ class SambaYConfig(PreTrainedConfig):
             "num_attention_heads",
             "num_key_value_heads",
             "sliding_window",
-            "mamba_d_state",
-            "mamba_d_conv",
-            "mamba_expand",
             "max_position_embeddings",
         ):
             value = getattr(self, name)  # an int: check_field_types has seen to that
@@ -151,10 +135,6 @@ class SambaYConfig(PreTrainedConfig):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    @property
-    def mamba_d_inner(self) -> int:
-        return self.mamba_expand * self.hidden_size
-
     # What Samba's layers read (SambaMLP, `_init_weights`): SambaY's MLPs are SwiGLU, one after every mixer.
     mixer_mlp = property(lambda self: True)
     mlp_gated = property(lambda self: True)
@@ -196,10 +176,6 @@ FIELD_TYPES = {
         "max_position_embeddings",
         "sliding_window",
         "mb_per_layer",
-        "mamba_d_state",
-        "mamba_d_conv",
-        "mamba_expand",
-        "inference_chunk_size",
     ),
     "an int or None": ("pad_token_id", "bos_token_id"),
     "a finite number": (
@@ -208,18 +184,12 @@ FIELD_TYPES = {
         "attention_dropout",
         "embd_pdrop",
         "resid_pdrop",
-        "mamba_dt_min",
-        "mamba_dt_max",
-        "mamba_dt_init_floor",
-        "mamba_dt_scale",
     ),
     "true or false (a bool)": (
         "use_cache",
         "tie_word_embeddings",
         "mlp_bias",
         "lm_head_bias",
-        "mamba_conv_bias",
-        "mamba_proj_bias",
     ),
 }
 

@@ -37,6 +37,8 @@ import typing
 import torch
 from transformers.utils import logging
 
+from .kernels_samba import run_kernel
+
 logger = logging.get_logger(__name__)
 
 _CPU_SCAN_SEGMENT = 64  # SEGMENT in the scan's source below: the forward keeps the state every this many steps
@@ -632,14 +634,18 @@ def selective_scan_cpu(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torch.T
     be <= 0, as the model's A = -exp(A_log) is: each decay exp(dt * A) is then in (0, 1], and nothing overflows at
     any length.
     Under `torch.compile` it runs as the operator `torch.ops.samba_hf.selective_scan_cpu` (`_scan_operator`)."""
-    inputs = [None if x is None else x.float().contiguous() for x in (u, dt, A, B, C, D, z, h0)]
-    if torch.compiler.is_compiling():
-        y, h, _ = _SCAN_OPERATOR(*inputs, keep_checkpoints=torch.is_grad_enabled())
-    elif torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
-        y, h = _CpuScan.apply(*inputs)
-    else:
+    inputs = tuple(None if x is None else x.float().contiguous() for x in (u, dt, A, B, C, D, z, h0))
+
+    def plain():
         with torch.no_grad():
-            y, h = _cpu_scan_forward(*inputs)
+            return _cpu_scan_forward(*inputs)
+
+    y, h = run_kernel(
+        inputs,
+        plain,
+        operator=lambda: _SCAN_OPERATOR(*inputs, keep_checkpoints=torch.is_grad_enabled())[:2],
+        autograd=lambda: _CpuScan.apply(*inputs),
+    )
     return y.to(u.dtype), h
 
 
@@ -746,3 +752,8 @@ def _gemv_operator():
 
 
 _GEMV_OPERATOR = _gemv_operator()
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`gemv_cpu` for inference, as the operator `torch.ops.samba_hf.gemv_cpu` while torch.compile traces."""
+    return run_kernel((), lambda: gemv_cpu(x, weight, bias), operator=lambda: _GEMV_OPERATOR(x, weight, bias))

@@ -60,8 +60,9 @@ from .cache_samba import (
 )
 from .configuration_samba import SambaConfig
 from .hub_samba import save_folder
+from .kernels_samba import resolve_kernel_implementation
 from .linear_samba import SambaLinear
-from .ssm_samba import causal_conv, scan_token_by_token, selective_scan, ssd_scan
+from .ssm_samba import causal_conv, check_kernel_implementation, scan_token_by_token, selective_scan, ssd_scan
 from .validation_samba import check_inputs
 
 logger = logging.get_logger(__name__)
@@ -248,7 +249,80 @@ class PackedDocuments:
         return rows[self.valid].reshape(*self.shape, rows.shape[-1])
 
 
-class SambaMambaMixer(nn.Module):
+class SambaStateSpaceMixer(nn.Module):
+    """What every Mamba mixer does around its own projections and scan, Mamba and Mamba-2 alike: packed documents
+    run one per row (each from a zero state), padding is zeroed and steps over nothing, the depthwise causal conv
+    continues from the cache's window (`convolve`), and the scan from the cache's state, token by token while the
+    cache records for assisted generation, the last state written back (`scan`). A subclass holds its projections
+    and parameters and computes its layer in `mix`, with the kernels the switch chose (`choose_kernels`)."""
+
+    scan_kernel = conv_kernel = "auto"  # the kernel switch's choices (`kernels_samba`)
+
+    def __init__(self, config: SambaConfig, layer_idx: int, conv_channels: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.conv_kernel_size = config.mamba_d_conv
+        self.act = ACT2FN[config.hidden_act]
+        self.conv1d = nn.Conv1d(
+            conv_channels,
+            conv_channels,
+            kernel_size=self.conv_kernel_size,
+            groups=conv_channels,
+            padding=self.conv_kernel_size - 1,
+            bias=config.mamba_conv_bias,
+        )
+
+    def choose_kernels(self, chosen: dict[str, str]):
+        self.scan_kernel, self.conv_kernel = chosen["scan"], chosen["conv"]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        documents: PackedDocuments | None = None,
+        **options,
+    ):
+        # hidden_states (batch, seq, hidden); attention_mask (batch, seq): 1 for tokens, 0 for padding, or None.
+        if documents is not None:  # packed sequences: the conv and the scan restart at each document
+            out = self(documents.unpack(hidden_states), attention_mask=documents.valid, **options)
+            return tuple(map(documents.pack, out)) if isinstance(out, tuple) else documents.pack(out)
+        mask = attention_mask[:, :, None].to(hidden_states.dtype) if attention_mask is not None else None
+        # the SSM state is read before the conv's update marks the layer as having a previous state
+        state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
+        return self.mix(hidden_states, mask, past_key_values, state, **options)
+
+    def convolve(self, x: torch.Tensor, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
+        """act(depthwise causal conv) over [the cache's window, x] at x's positions, padding zeroed before and after.
+        x (batch, seq, channels) -> (batch, seq, channels)."""
+        seq_len = x.shape[1]
+        if mask is not None:
+            x = x * mask
+        x = x.transpose(1, 2)  # (batch, channels, seq)
+        if cache is not None:
+            x = cache.update_conv_state(x, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        x = self.act(causal_conv(self.conv1d, x, seq_len, self.conv_kernel)).transpose(1, 2)
+        return x if mask is None else x * mask
+
+    def scan(self, scan: Callable, state, cache: Cache | None, mask, per_token: dict, **fixed) -> torch.Tensor:
+        """`scan` (`selective_scan` or `ssd_scan`) over `per_token` (its arguments with a sequence dimension; a
+        padded position's step `dt` is zeroed, so it neither decays nor feeds the state) from `state`, the last
+        state written to the cache; while the cache records, token by token, each token's state kept for `crop`.
+        Returns y."""
+        if mask is not None:
+            per_token["dt"] = per_token["dt"] * mask  # dt (batch, seq, channels or heads), mask (batch, seq, 1)
+        fixed["kernel"] = self.scan_kernel
+        if cache is not None and cache.is_recording_past(self.layer_idx):
+            y, state, states = scan_token_by_token(scan, state, per_token, **fixed)
+            record_states(cache, self.layer_idx, states)
+        else:
+            y, state = scan(**per_token, **fixed, h0=state)
+        if cache is not None:
+            cache.update_recurrent_state(state, self.layer_idx)
+        return y
+
+
+class SambaMambaMixer(SambaStateSpaceMixer):
     """The Mamba (selective SSM) mixer, as in mamba-ssm's `Mamba` and the official Samba code.
 
     in_proj -> (x, z); x: causal depthwise conv (continuing from the cached window) -> SiLU -> x_proj -> (dt, B, C);
@@ -257,24 +331,13 @@ class SambaMambaMixer(nn.Module):
     """
 
     def __init__(self, config: SambaConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
+        super().__init__(config, layer_idx, conv_channels=config.mamba_d_inner)
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.mamba_d_inner
         self.ssm_state_size = config.mamba_d_state
-        self.conv_kernel_size = config.mamba_d_conv
         self.time_step_rank = config.mamba_dt_rank
-        self.act = ACT2FN[config.hidden_act]
 
         self.in_proj = SambaLinear(self.hidden_size, 2 * self.intermediate_size, bias=config.mamba_proj_bias)
-        self.conv1d = nn.Conv1d(
-            self.intermediate_size,
-            self.intermediate_size,
-            kernel_size=self.conv_kernel_size,
-            groups=self.intermediate_size,
-            padding=self.conv_kernel_size - 1,
-            bias=config.mamba_conv_bias,
-        )
         self.x_proj = SambaLinear(self.intermediate_size, self.time_step_rank + 2 * self.ssm_state_size, bias=False)
         self.dt_proj = SambaLinear(self.time_step_rank, self.intermediate_size, bias=True)
         # S4D-real initialisation: A = -[1, 2, ..., N] for every channel, stored as log(-A).
@@ -284,52 +347,17 @@ class SambaMambaMixer(nn.Module):
         self.out_proj = SambaLinear(self.intermediate_size, self.hidden_size, bias=config.mamba_proj_bias)
         self.out_proj.is_residual_output = True
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        documents: PackedDocuments | None = None,
-        return_memory: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # hidden_states (batch, seq, hidden); attention_mask (batch, seq): 1 for tokens, 0 for padding, or None.
-        # return_memory: also return the scan output before the gate, (batch, seq, d_inner) (SambaY's memory layer).
-        if documents is not None:  # packed sequences: the conv and the scan restart at each document
-            out = self(documents.unpack(hidden_states), attention_mask=documents.valid, return_memory=return_memory)
-            return tuple(map(documents.pack, out)) if return_memory else documents.pack(out)
-        seq_len = hidden_states.shape[1]
-        mask = attention_mask[:, :, None].to(hidden_states.dtype) if attention_mask is not None else None
-        # Read the SSM state before the conv update below marks the layer as having a previous state.
-        ssm_state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
-
+    def mix(self, hidden_states, mask, cache, state, return_memory: bool = False):
+        """return_memory: also return the scan's output before the gate, (batch, seq, d_inner) (SambaY's memory
+        layer)."""
         x, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # (batch, seq, d_inner) each
-        if mask is not None:
-            x = x * mask
-        # Causal depthwise conv over [cached window, new inputs]; keep the outputs of the new positions.
-        x = x.transpose(1, 2)  # (batch, d_inner, seq)
-        if past_key_values is not None:
-            x = past_key_values.update_conv_state(x, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-        x = self.act(causal_conv(self.conv1d, x, seq_len)).transpose(1, 2)  # (batch, seq, d_inner)
-        if mask is not None:
-            x = x * mask
-
+        x = self.convolve(x, mask, cache)
         dt, B, C = self.x_proj(x).split([self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
         dt = nn.functional.softplus(self.dt_proj(dt).float())  # (batch, seq, d_inner), float32
-        if mask is not None:
-            dt = dt * mask  # a zero step leaves the state as it was: padding neither decays nor feeds it
-        A = self.decay_rates()  # (d_inner, d_state)
         gate = None if return_memory else z
-        if past_key_values is not None and past_key_values.is_recording_past(
-            self.layer_idx
-        ):  # assisted generation: keep each token's state for `crop`
-            y, ssm_state, states = scan_token_by_token(
-                selective_scan, ssm_state, dict(u=x, dt=dt, B=B, C=C, z=gate), A=A, D=self.D
-            )
-            record_states(past_key_values, self.layer_idx, states)
-        else:
-            y, ssm_state = selective_scan(x, dt, A, B, C, self.D, gate, ssm_state)
-        if past_key_values is not None:
-            past_key_values.update_recurrent_state(ssm_state, self.layer_idx)
+        y = self.scan(
+            selective_scan, state, cache, mask, dict(u=x, dt=dt, B=B, C=C, z=gate), A=self.decay_rates(), D=self.D
+        )
         if return_memory:
             return self.out_proj(y * self.act(z)), y
         return self.out_proj(y)
@@ -367,7 +395,7 @@ class SambaGatedRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, group_size={self.group_size}, eps={self.variance_epsilon}"
 
 
-class SambaMamba2Mixer(nn.Module):
+class SambaMamba2Mixer(SambaStateSpaceMixer):
     """The Mamba-2 (SSD) mixer, as in mamba-ssm's `Mamba2` and Megatron-LM's `MambaMixer` (Dao & Gu, 2024).
 
     in_proj -> (z, xBC, dt); xBC: causal depthwise conv with bias (continuing from the cached window) -> SiLU ->
@@ -377,28 +405,18 @@ class SambaMamba2Mixer(nn.Module):
     """
 
     def __init__(self, config: SambaConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
+        conv_dim = config.mamba_d_inner + 2 * config.mamba2_n_groups * config.mamba_d_state  # x, B, C
+        super().__init__(config, layer_idx, conv_channels=conv_dim)
         self.intermediate_size = config.mamba_d_inner
         self.ssm_state_size = config.mamba_d_state
-        self.conv_kernel_size = config.mamba_d_conv
         self.head_dim = config.mamba2_head_dim
         self.num_heads = config.mamba2_num_heads
         self.n_groups = config.mamba2_n_groups
         self.chunk_size = config.mamba2_chunk_size
-        self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.ssm_state_size  # x, B, C
-        self.act = ACT2FN[config.hidden_act]
+        self.conv_dim = conv_dim
 
         self.in_proj = SambaLinear(
             config.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias=config.mamba_proj_bias
-        )
-        self.conv1d = nn.Conv1d(
-            self.conv_dim,
-            self.conv_dim,
-            kernel_size=self.conv_kernel_size,
-            groups=self.conv_dim,
-            padding=self.conv_kernel_size - 1,
-            bias=config.mamba_conv_bias,
         )
         self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
@@ -409,47 +427,18 @@ class SambaMamba2Mixer(nn.Module):
         self.out_proj = SambaLinear(self.intermediate_size, config.hidden_size, bias=config.mamba_proj_bias)
         self.out_proj.is_residual_output = True
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        documents: PackedDocuments | None = None,
-    ) -> torch.Tensor:
-        # hidden_states (batch, seq, hidden); attention_mask (batch, seq): 1 for tokens, 0 for padding, or None.
-        if documents is not None:  # packed sequences: the conv and the scan restart at each document
-            return documents.pack(self(documents.unpack(hidden_states), attention_mask=documents.valid))
+    def mix(self, hidden_states, mask, cache, state):
         batch, seq_len, _ = hidden_states.shape
-        mask = attention_mask[:, :, None].to(hidden_states.dtype) if attention_mask is not None else None
-        # Read the SSM state before the conv update below marks the layer as having a previous state.
-        ssm_state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
-
         z, xBC, dt = self.in_proj(hidden_states).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        if mask is not None:
-            xBC = xBC * mask
-        xBC = xBC.transpose(1, 2)  # (batch, conv_dim, seq)
-        if past_key_values is not None:
-            xBC = past_key_values.update_conv_state(xBC, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-        xBC = self.act(causal_conv(self.conv1d, xBC, seq_len)).transpose(1, 2)  # (batch, seq, conv_dim)
+        xBC = self.convolve(xBC, mask, cache)  # (batch, seq, conv_dim)
         x, B, C = xBC.split([self.intermediate_size, *2 * [self.n_groups * self.ssm_state_size]], dim=-1)
-
         dt = nn.functional.softplus(dt.float() + self.dt_bias.float())  # (batch, seq, heads), float32
-        if mask is not None:
-            dt = dt * mask  # a zero step leaves the state as it was: padding neither decays nor feeds it
         A = -torch.exp(self.A_log.float())  # (heads,)
         groups = (batch, seq_len, self.n_groups, self.ssm_state_size)
         x, B, C = x.reshape(batch, seq_len, self.num_heads, self.head_dim), B.reshape(groups), C.reshape(groups)
-        if past_key_values is not None and past_key_values.is_recording_past(
-            self.layer_idx
-        ):  # assisted generation: keep each token's state for `crop`
-            y, ssm_state, states = scan_token_by_token(
-                ssd_scan, ssm_state, dict(x=x, dt=dt, B=B, C=C), A=A, D=self.D, chunk_size=self.chunk_size
-            )
-            record_states(past_key_values, self.layer_idx, states)
-        else:
-            y, ssm_state = ssd_scan(x, dt, A, B, C, self.D, ssm_state, self.chunk_size)
-        if past_key_values is not None:
-            past_key_values.update_recurrent_state(ssm_state, self.layer_idx)
+        y = self.scan(
+            ssd_scan, state, cache, mask, dict(x=x, dt=dt, B=B, C=C), A=A, D=self.D, chunk_size=self.chunk_size
+        )
         return self.out_proj(self.norm(y.reshape(batch, seq_len, self.intermediate_size), z))
 
 
@@ -558,6 +547,38 @@ class SambaPreTrainedModel(PreTrainedModel):
         beside the new ones (`hub_samba.save_folder`)."""
         save_folder(self, save_directory, super().save_pretrained, *args, **kwargs)
 
+    def post_init(self):
+        """transformers' post_init, and the kernel switch's choice handed to the layers (checked for this device,
+        unless the weights are still to come: `from_pretrained` checks it once they are in place)."""
+        super().post_init()
+        if self.device.type == "meta":
+            self._choose_kernels(resolve_kernel_implementation(self.config.kernel_implementation))
+        else:
+            self.set_kernel_implementation(self.config.kernel_implementation)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' from_pretrained (`kernel_implementation=` among its arguments, as `attn_implementation=`),
+        with the kernel switch's choice checked on the device the weights went to."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading info) when asked for
+        model.set_kernel_implementation(model.config.kernel_implementation)
+        return loaded
+
+    def set_kernel_implementation(self, kernel_implementation: str | dict):
+        """Choose which code runs the scan, the conv and the linear layers, as `set_attn_implementation` chooses
+        attention: "auto" (the default: the fastest installed), "pytorch", "samba" (samba-hf's own kernels) or
+        "mamba_ssm" (mamba-ssm's and causal-conv1d's, on CUDA), or a dict of parts (`{"scan": "pytorch"}`); see
+        `kernels_samba`. A ValueError names the choices where one is unknown or cannot run on this model's device."""
+        chosen = check_kernel_implementation(kernel_implementation, self.device, self.config.mamba_version)
+        self.config.kernel_implementation = kernel_implementation
+        self._choose_kernels(chosen)
+
+    def _choose_kernels(self, chosen: dict[str, str]):
+        for module in self.modules():
+            if isinstance(module, (SambaStateSpaceMixer, SambaLinear)):
+                module.choose_kernels(chosen)
+
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' load-time FSDP2 (`from_pretrained(distributed_config=DistributedConfig(fsdp_size=N))`: each
@@ -587,7 +608,7 @@ class SambaPreTrainedModel(PreTrainedModel):
                 ),
             }
             for module in model.modules():
-                if isinstance(module, (SambaMambaMixer, SambaMamba2Mixer)):
+                if isinstance(module, SambaStateSpaceMixer):
                     # one unit for the children: causal_conv reads conv1d.weight without calling the module (CPU
                     # and kernel paths), so it must be gathered with in_proj, which runs first
                     children = [child for child in module.children() if next(child.parameters(), None) is not None]

@@ -57,6 +57,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .cpu_kernels_samba import cpu_scan_available, selective_scan_cpu
+from .kernels_samba import KERNEL_IMPLEMENTATIONS, resolve_kernel_implementation, wants_gradient
 
 logger = logging.get_logger(__name__)
 
@@ -255,9 +256,57 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _kernel_device(tensor: torch.Tensor) -> bool:
-    """Whether a tensor takes the CUDA kernel paths: a CUDA tensor, or any CPU tensor under the testing switch."""
-    return tensor.is_cuda or (INTERPRET_KERNELS and tensor.device.type == "cpu")
+def kernel_device(device: torch.device) -> bool:
+    """Whether tensors on `device` take the CUDA kernel paths: CUDA, or the CPU under the testing switch."""
+    return device.type == "cuda" or (INTERPRET_KERNELS and device.type == "cpu")
+
+
+def unavailable(part: str, choice: str, device: torch.device, mamba_version: int = 1) -> str | None:
+    """Why `choice` cannot run `part` on `device` (None where it can): what is missing, and what to install."""
+    if choice in ("auto", "pytorch") or part == "linear":  # linear: the C kernel where the CPU has one
+        return None
+    on_kernel_device = kernel_device(device)
+    if choice == "mamba_ssm" and not on_kernel_device:
+        return f"mamba-ssm's and causal-conv1d's kernels run on CUDA tensors only, and this one is on {device.type}"
+    kernels = load_kernels()
+    if choice == "mamba_ssm":
+        needed = {
+            "scan": "selective_scan_fn" if mamba_version == 1 else "mamba_chunk_scan_combined",
+            "conv": "causal_conv1d_fn",
+        }[part]
+        if getattr(kernels, needed) is None:
+            return f"{needed} is not installed ({kernels.missing.get(needed, 'not found')})"
+        return None
+    # "samba"
+    if part == "scan":
+        if on_kernel_device:
+            needed = "selective_scan_triton" if mamba_version == 1 else "ssd_scan_triton"
+            if getattr(kernels, needed) is None:
+                return f"samba-hf's Triton scan is unavailable ({kernels.missing.get(needed, 'not found')})"
+        elif mamba_version == 1 and not cpu_scan_available():
+            return "samba-hf's C scan could not be built here (see the warning above; it needs a C compiler)"
+        return None  # Mamba-2 on a CPU: its chunked PyTorch scan is samba-hf's only one
+    if on_kernel_device and kernels.causal_conv_triton is None:  # the conv (on a CPU: multiply-adds, always there)
+        return f"samba-hf's Triton conv is unavailable ({kernels.missing.get('causal_conv_triton', 'not found')})"
+    return None
+
+
+def require(part: str, choice: str, device: torch.device, mamba_version: int = 1):
+    """A ValueError where `choice` cannot run `part` on `device`, naming what is missing and the choices."""
+    why = unavailable(part, choice, device, mamba_version)
+    if why is not None:
+        raise ValueError(
+            f"kernel_implementation asks for {choice!r} for the {part}, which cannot run here: {why}. Choose "
+            f'another of {", ".join(map(repr, KERNEL_IMPLEMENTATIONS))} for it ("auto" takes what is installed).'
+        )
+
+
+def check_kernel_implementation(value, device: torch.device, mamba_version: int = 1) -> dict[str, str]:
+    """`resolve_kernel_implementation`, and a ValueError for any part whose choice cannot run on `device`."""
+    chosen = resolve_kernel_implementation(value)
+    for part, choice in chosen.items():
+        require(part, choice, device, mamba_version)
+    return chosen
 
 
 def _interpreter_shims():
@@ -296,23 +345,30 @@ def selective_scan(
     D: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
     h0: torch.Tensor | None = None,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the recurrence over a sequence, starting from state `h0` (zeros when None).
 
     Shapes: u, dt, z (batch, seq, d_inner); A (d_inner, d_state); B, C (batch, seq, d_state); D (d_inner,);
     h0 (batch, d_inner, d_state). `dt` is the step size after softplus (a zero step leaves the state untouched,
-    which is how padded positions are skipped). Returns y (batch, seq, d_inner) and the last state.
+    which is how padded positions are skipped). Returns y (batch, seq, d_inner) and the last state. `kernel`: the
+    scan's choice of the kernel switch (`kernels_samba`), "auto" unless a model was told otherwise.
     """
-    if _kernel_device(u):
+    if kernel == "pytorch":
+        return selective_scan_pytorch(u, dt, A, B, C, D, z, h0)
+    if kernel != "auto" and not compiling():
+        require("scan", kernel, u.device)
+    if kernel_device(u.device):
         kernels = load_kernels()
         # mamba-ssm's kernels are not torch operators: under torch.compile (a decoding step in CUDA graphs) the graph
         # would break around them, so it takes samba-hf's Triton scan, which is one (`torch.ops.samba_hf.scan_triton`)
-        if h0 is not None and u.shape[1] == 1 and kernels.selective_state_update is not None and not compiling():
-            return _step_with_kernel(kernels.selective_state_update, u, dt, A, B, C, D, z, h0)
-        if kernels.selective_scan_fn is not None and not compiling():
-            return _scan_with_kernel(kernels.selective_scan_fn, u, dt, A, B, C, D, z, h0)
+        if kernel != "samba" and not compiling():
+            if h0 is not None and u.shape[1] == 1 and kernels.selective_state_update is not None:
+                return _step_with_kernel(kernels.selective_state_update, u, dt, A, B, C, D, z, h0)
+            if kernels.selective_scan_fn is not None:
+                return _scan_with_kernel(kernels.selective_scan_fn, u, dt, A, B, C, D, z, h0)
         if kernels.selective_scan_triton is not None:
-            if not compiling():
+            if kernel == "auto" and not compiling():
                 logger.info_once(
                     "samba-hf: the Mamba scan runs samba-hf's Triton kernel (mamba-ssm's CUDA scan: "
                     f"{kernels.missing.get('selective_scan_fn')}; to use that one, {_INSTALL_MAMBA})"
@@ -386,6 +442,7 @@ def ssd_scan(
     D: torch.Tensor | None,
     h0: torch.Tensor | None = None,
     chunk_size: int = 128,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2's state space recurrence (SSD), per head h of group g = h // (heads / groups):
 
@@ -397,13 +454,18 @@ def ssd_scan(
     Returns y (batch, seq, heads, head_dim) in x's dtype and the last state in float32. On CUDA with mamba-ssm:
     `mamba_chunk_scan_combined` (any length, from h0 too) and `selective_state_update` (one token from h0); with
     Triton alone samba-hf's chunked SSD for inference on a half-precision prompt (`_takes_chunked_ssd`), its scan
-    over heads otherwise; elsewhere `ssd_scan_pytorch`.
+    over heads otherwise; elsewhere `ssd_scan_pytorch`. `kernel`: as `selective_scan`'s.
     """
-    if _kernel_device(x):
+    if kernel == "pytorch":
+        return ssd_scan_pytorch(x, dt, A, B, C, D, h0, chunk_size)
+    if kernel != "auto" and not compiling():
+        require("scan", kernel, x.device, mamba_version=2)
+    if kernel_device(x.device):
         kernels = load_kernels()
-        if x.shape[1] == 1 and h0 is not None and kernels.selective_state_update is not None and not compiling():
+        step = x.shape[1] == 1 and h0 is not None and kernels.selective_state_update is not None
+        if step and kernel != "samba" and not compiling():
             return _ssd_step_with_kernel(kernels.selective_state_update, x, dt, A, B, C, D, h0)
-        if kernels.mamba_chunk_scan_combined is not None and not compiling():  # (see selective_scan)
+        if kernels.mamba_chunk_scan_combined is not None and kernel != "samba" and not compiling():  # (see above)
             # dt stays float32 (the kernels read it so; a bf16 copy would round every step)
             y, last = kernels.mamba_chunk_scan_combined(
                 x,
@@ -437,12 +499,10 @@ _CHUNKED_SSD_FAILED: set = set()  # the dtypes the chunked SSD failed in (the sc
 
 def _takes_chunked_ssd(x, dt, A, B, C, D, h0) -> bool:
     """Whether a Mamba-2 scan on CUDA takes samba-hf's chunked SSD (see SSD_MIN_TOKENS); asked only where it loaded."""
-    from .triton_scan_samba import _wants_gradient
-
     return (
         x.shape[1] >= SSD_MIN_TOKENS
         and x.dtype in (torch.bfloat16, torch.float16)
-        and not _wants_gradient(x, dt, A, B, C, D, h0)
+        and not wants_gradient(x, dt, A, B, C, D, h0)
         and x.dtype not in _CHUNKED_SSD_FAILED
         and not compiling()
     )
@@ -627,14 +687,17 @@ def depthwise_causal_conv(weight: torch.Tensor, bias: torch.Tensor | None, windo
     return out.to(window.dtype)
 
 
-def causal_conv(conv1d: nn.Conv1d, window: torch.Tensor, seq_len: int) -> torch.Tensor:
+def causal_conv(conv1d: nn.Conv1d, window: torch.Tensor, seq_len: int, kernel: str = "auto") -> torch.Tensor:
     """The depthwise causal conv's outputs at the last `seq_len` positions of `window` (batch, d_inner, T), which
-    holds the cached left context (if any) followed by the new inputs. Returns (batch, d_inner, seq_len)."""
+    holds the cached left context (if any) followed by the new inputs. Returns (batch, d_inner, seq_len). `kernel`:
+    the conv's choice of the kernel switch (`kernels_samba`); "pytorch" runs the Conv1d module."""
     plain = type(conv1d) is nn.Conv1d  # an adapter-wrapped conv must run as a module
-    if _kernel_device(window) and plain:
+    if kernel != "auto" and plain and not compiling():
+        require("conv", kernel, window.device)
+    if kernel != "pytorch" and plain and kernel_device(window.device):
         kernels = load_kernels()
         weight = conv1d.weight[:, 0, :]  # (d_inner, kernel_size)
-        if kernels.causal_conv1d_fn is not None:
+        if kernels.causal_conv1d_fn is not None and kernel != "samba":
             if seq_len == 1 and window.shape[-1] >= conv1d.kernel_size[0]:
                 # causal_conv1d_update(x (b, d), conv_state (b, d, >= K - 1)): the state is shifted in place (a copy)
                 state = window[..., :-1].contiguous()
@@ -652,6 +715,6 @@ def causal_conv(conv1d: nn.Conv1d, window: torch.Tensor, seq_len: int) -> torch.
                 f"unavailable too: {kernels.missing.get('causal_conv_triton', 'not installed')})",
                 _INSTALL_CONV,
             )
-    elif plain:
+    elif kernel != "pytorch" and plain:
         return depthwise_causal_conv(conv1d.weight[:, 0, :], conv1d.bias, window, seq_len)
     return conv1d(window)[..., : window.shape[-1]][..., -seq_len:]

@@ -27,6 +27,8 @@ try:  # (transformers' remote-code loader reads imports outside try blocks as re
 except ImportError:  # pragma: no cover - ssm_samba imports this file only where Triton is
     triton = tl = None
 
+from .kernels_samba import run_kernel
+
 BLOCK_T = 32  # positions a program
 BLOCK_D = 64  # channels a program
 
@@ -213,6 +215,8 @@ def causal_conv_triton(
     weight (d_inner, K); bias (d_inner,) or None. Returns (batch, d_inner, seq_len) in the window's dtype, laid out
     as a transposed (batch, seq_len, d_inner) tensor. Differentiable in window, weight and bias."""
     weight = weight.contiguous()
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (window, weight, bias)):
-        return _TritonCausalConv.apply(window, weight, bias, seq_len)
-    return _forward(window, weight, bias, seq_len)
+    return run_kernel(
+        (window, weight, bias),
+        lambda: _forward(window, weight, bias, seq_len),
+        autograd=lambda: _TritonCausalConv.apply(window, weight, bias, seq_len),
+    )

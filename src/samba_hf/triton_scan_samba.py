@@ -52,6 +52,8 @@ try:  # (transformers' remote-code loader reads imports outside try blocks as re
 except ImportError:  # pragma: no cover - ssm_samba imports this file only where Triton is
     triton = tl = None
 
+from .kernels_samba import run_kernel
+
 CHUNK = 64  # tokens between the forward's checkpoints, and the backward's recompute length
 # The forward's launch: channels per program at most (the state block, BLOCK_D x BLOCK_N floats, stays at most 2048
 # in registers), and warps per program. Set by the compiler's resources, not by timings: benchmarks/gpu.py's
@@ -1164,11 +1166,6 @@ def _operator():
 _OPERATOR = _operator()
 
 
-def _wants_gradient(*inputs) -> bool:
-    """Whether autograd will want gradients of any of these tensors (None: an absent input)."""
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-
-
 def _run(layout, u, dt, A, B, C, D, z, h0):
     def rows(x):  # contiguous along the last dimension, as the kernels read it
         return None if x is None else (x if x.stride(-1) == 1 else x.contiguous())
@@ -1178,13 +1175,14 @@ def _run(layout, u, dt, A, B, C, D, z, h0):
     D = None if D is None else D.float().contiguous()
     h0 = None if h0 is None else h0.float().contiguous()
     inputs = (u, dt, A, B, C, D, z, h0)
-    if torch.compiler.is_compiling():
-        y, h, _ = _OPERATOR(*inputs, layout.head_dim, layout.groups, layout.a_per_head, torch.is_grad_enabled())
-        return y, h
-    if _wants_gradient(*inputs):
-        return _TritonScan.apply(layout, *inputs)
-    y, h, _ = _forward(layout, *inputs, keep_checkpoints=False)
-    return y, h
+    return run_kernel(
+        inputs,
+        lambda: _forward(layout, *inputs, keep_checkpoints=False)[:2],
+        operator=lambda: _OPERATOR(
+            *inputs, layout.head_dim, layout.groups, layout.a_per_head, torch.is_grad_enabled()
+        )[:2],
+        autograd=lambda: _TritonScan.apply(layout, *inputs),
+    )
 
 
 def selective_scan_triton(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:

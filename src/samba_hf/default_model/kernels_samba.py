@@ -1,0 +1,1 @@
+../kernels_samba.py

@@ -1,0 +1,1 @@
+../../../src/samba_hf/kernels_samba.py
