@@ -25,7 +25,8 @@ as the nn.Conv1d module, as 4 shifted multiply-adds and through causal-conv1d wh
 (from the last length) to take over --cap seconds is skipped, and so is everything after --time-limit, each recorded
 as skipped with why; an out-of-memory is recorded as such.
 
-Which kernels samba-hf runs is what this environment has, or less with --kernels (recorded under "kernels");
+Which kernels samba-hf runs is what this environment has, or what --kernels chooses through the kernel switch
+(recorded under "kernels" and "kernel_implementation");
 transformers' NemotronH takes mamba-ssm and causal-conv1d where they import, except with --kernels triton or none,
 which keeps it on its torch path too (recorded as "nemotron_h_mamba_ssm"). benchmarks/gpu_run.sh runs it with
 --kernels triton (what `pip install` gives) and, given time, with everything; --plot draws the JSON files together.
@@ -123,7 +124,10 @@ def build(name: str, config, device, dtype):
         config._attn_implementation = "sdpa"
     with torch.device(device):
         model = cls(config)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if cls is SambaForCausalLM:
+        model.set_kernel_implementation(KERNEL_SWITCH[KERNELS])  # --kernels, through the public switch
+    return model
 
 
 def filled_cache(model, batch: int, context: int) -> DynamicCache:
@@ -357,13 +361,16 @@ def train_step(model, length: int) -> dict:
     return {"tokens_per_s": length / t.seconds, "seconds": t.seconds, "peak_gib": t.peak_gib}
 
 
-INSTALLED = None  # every kernel this environment has, before --kernels leaves some out of the models' runs
+# --kernels, as the kernel switch (`kernel_implementation`) names it: the models take it; the micro-benchmarks compare
+# every installed kernel whatever it is (the H100 run of 2026-11-26 compared samba-hf's Triton scan with nothing,
+# mamba-ssm being hidden by --kernels triton).
+KERNEL_SWITCH = {"all": "auto", "triton": "samba", "none": "pytorch"}
+KERNELS = "all"
 
 
 def installed_kernels():
-    """What the micro-benchmarks compare: every kernel installed, whatever --kernels gave the models (the H100 run
-    of 2026-11-26 compared samba-hf's Triton scan with nothing, mamba-ssm being hidden by --kernels triton)."""
-    return INSTALLED or ssm_samba.load_kernels()
+    """What the micro-benchmarks compare: every kernel installed."""
+    return ssm_samba.load_kernels()
 
 
 KERNEL_PACKAGES = ("mamba_ssm", "causal_conv1d")
@@ -374,7 +381,7 @@ def hide_kernel_packages():
     packages (#32 compares the Mamba-2-Hybrid with NemotronH's torch path): NemotronH takes mamba-ssm and
     causal-conv1d wherever they import, deciding when its modeling file is imported, so they are made unimportable
     before that. The micro-benchmarks still compare the packages' kernels, which samba-hf's loader found before
-    (`INSTALLED`). The H100 run of 2026-11-26 ran NemotronH on mamba-ssm in its `--kernels triton` run."""
+    (`installed_kernels`). The H100 run of 2026-11-26 ran NemotronH on mamba-ssm in its `--kernels triton` run."""
     if "transformers.models.nemotron_h.modeling_nemotron_h" in sys.modules:
         raise RuntimeError("transformers' NemotronH was imported before the kernel packages were hidden from it")
     for name in KERNEL_PACKAGES:
@@ -408,6 +415,7 @@ def measure(args, device) -> dict:
         "dtype": str(dtype).replace("torch.", ""),
         "label": args.label,
         "kernels": kernels_present(),
+        "kernel_implementation": KERNEL_SWITCH[KERNELS],
         "models": {},
     }
     result["sliding_attention"] = sliding_attention(args, device, dtype)
@@ -706,46 +714,35 @@ def mamba_scan(args, device, dtype) -> dict:
     heads x head_dim, groups, d_state). Where the scans go in a prefill, and how samba-hf's Triton scan stands against
     mamba-ssm's (#32 asks for within 1.2x)."""
     hybrid = configs(args.smoke)["Mamba-2-Hybrid"]
-    found, in_this_run = installed_kernels(), ssm_samba.load_kernels()
-    none = dict.fromkeys(ssm_samba.Kernels._fields[:-1])
-    only = {
-        "triton": found._replace(selective_scan_fn=None, selective_state_update=None, mamba_chunk_scan_combined=None),
-        "mamba_ssm": found._replace(
-            selective_scan_triton=None, ssd_scan_triton=None, ssd_chunked_triton=None, selective_state_update=None
-        ),
-        "pytorch": found._replace(**none),
-    }
+    found = installed_kernels()
+    only = {"triton": "samba", "mamba_ssm": "mamba_ssm", "pytorch": "pytorch"}  # row name: the switch's choice
     available = {
         "samba": {"triton": found.selective_scan_triton, "mamba_ssm": found.selective_scan_fn},
         "mamba2": {"triton": found.ssd_scan_triton, "mamba_ssm": found.mamba_chunk_scan_combined},
     }
 
-    def scan(kind, leaves, A, D):
+    def scan(kind, leaves, A, D, kernel):
         if kind == "samba":
             u, dt, B, C, z = leaves
-            return ssm_samba.selective_scan(u, dt, A, B, C, D, z)[0]
+            return ssm_samba.selective_scan(u, dt, A, B, C, D, z, kernel=kernel)[0]
         x, dt, B, C = leaves
-        return ssm_samba.ssd_scan(x, dt, A, B, C, D, chunk_size=hybrid.mamba2_chunk_size)[0]
+        return ssm_samba.ssd_scan(x, dt, A, B, C, D, chunk_size=hybrid.mamba2_chunk_size, kernel=kernel)[0]
 
     def measure(length):
         inputs = scan_inputs(args, device, dtype, length)
         row = {}
         for kind, (tensors, A, D) in inputs.items():
-            for name, kernels in only.items():
+            for name, kernel in only.items():
                 present = available[kind].get(name, True)
                 if present is None or (kind == "samba" and name == "pytorch" and length > 4096 and not args.smoke):
                     continue
-                ssm_samba._KERNELS = kernels
-                try:
-                    with torch.no_grad():
-                        row[f"{kind}_{name}_seconds"] = timed(lambda: scan(kind, tensors, A, D))
-                    if length == min(4096, max(attention_lengths(args))):
-                        leaves = [t.detach().requires_grad_() for t in tensors]
-                        row[f"{kind}_{name}_train_seconds"] = timed(
-                            lambda: scan(kind, leaves, A, D).float().sum().backward()
-                        )
-                finally:
-                    ssm_samba._KERNELS = in_this_run
+                with torch.no_grad():
+                    row[f"{kind}_{name}_seconds"] = timed(lambda: scan(kind, tensors, A, D, kernel))
+                if length == min(4096, max(attention_lengths(args))):
+                    leaves = [t.detach().requires_grad_() for t in tensors]
+                    row[f"{kind}_{name}_train_seconds"] = timed(
+                        lambda: scan(kind, leaves, A, D, kernel).float().sum().backward()
+                    )
         return row
 
     return at_each_length(args, "scan", measure)
@@ -789,15 +786,8 @@ def scan_configs(args, device, dtype) -> dict:
     def owner(constant):
         return triton_scan_samba if hasattr(triton_scan_samba, constant) else ssm_samba
 
-    in_this_run = ssm_samba.load_kernels()
-    triton_only = found._replace(selective_scan_fn=None, selective_state_update=None, mamba_chunk_scan_combined=None)
-
     def ssd(x, dt, A, B, C, D):  # as the models call it: the chunked SSD or the scan, as ssm_samba decides
-        ssm_samba._KERNELS = triton_only
-        try:
-            return ssm_samba.ssd_scan(x, dt, A, B, C, D)[0]
-        finally:
-            ssm_samba._KERNELS = in_this_run
+        return ssm_samba.ssd_scan(x, dt, A, B, C, D, kernel="samba")[0]
 
     def measure(length):
         inputs = scan_inputs(args, device, dtype, length)
@@ -1029,9 +1019,9 @@ def main(argv=None):
         "--kernels",
         choices=("all", "triton", "none"),
         default="all",
-        help="samba-hf's kernels in this run: all that are installed; samba-hf's Triton scan alone "
-        "(what pip install gives); none (PyTorch). NemotronH takes mamba-ssm where it imports, "
-        "except with triton or none",
+        help="samba-hf's kernels in this run, through the kernel switch: all that are installed "
+        '(kernel_implementation="auto"); samba-hf\'s Triton kernels alone, what pip install gives ("samba"); none '
+        '("pytorch"). NemotronH takes mamba-ssm where it imports, except with triton or none',
     )
     parser.add_argument("--label", default=None, help="names this run in the plot (default: from the kernels found)")
     parser.add_argument("--out", default=None, help="write the JSON here")
@@ -1086,18 +1076,10 @@ def main(argv=None):
         return 1
     else:
         device = torch.device("cuda")
-    global INSTALLED
-    INSTALLED = ssm_samba.load_kernels()
+    global KERNELS
+    KERNELS = args.kernels
+    ssm_samba.load_kernels()  # every kernel installed, found before NemotronH's packages are hidden
     if args.kernels != "all":
-        keep = (
-            ("selective_scan_triton", "ssd_scan_triton", "ssd_chunked_triton", "causal_conv_triton")
-            if args.kernels == "triton"
-            else ()
-        )
-        found = INSTALLED
-        ssm_samba._KERNELS = found._replace(
-            **{name: None for name in ssm_samba.Kernels._fields[:-1] if name not in keep}
-        )
         hide_kernel_packages()
     if args.label is None:
         found = kernels_present()

@@ -6,7 +6,7 @@ from conftest import returned_cache, tiny_model
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
 
-from samba_hf.cache_samba import CACHE_NAME
+from samba_hf.cache_samba import CACHE_NAME, ForwardCache
 
 LAYOUTS = {
     "samba": None,  # Mamba on even, sliding attention on odd layers
@@ -154,7 +154,10 @@ def test_inference_chunks_on_a_gpu_are_at_least_64k_tokens():
     with torch.no_grad():
 
         def chunk(length, cuda):
-            return model.model._inference_chunk(SimpleNamespace(shape=(1, length, 32), is_cuda=cuda), None, None, {})
+            no_cache = ForwardCache(None, model.config)
+            return model.model._inference_chunk(
+                SimpleNamespace(shape=(1, length, 32), is_cuda=cuda), None, no_cache, {}
+            )
 
         assert chunk(10_000, cuda=False) == 4096
         assert chunk(10_000, cuda=True) == 0  # one pass

@@ -85,6 +85,11 @@ def triton_only(monkeypatch):
     return only(monkeypatch, TRITON_ONLY)
 
 
+ORIGINAL = {
+    name: getattr(ssm_samba, name) for name in ("selective_scan_pytorch", "selective_scan_cpu", "ssd_scan_pytorch")
+}
+
+
 def forbid_pytorch_scans(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a PyTorch scan ran where a kernel should have")
@@ -773,6 +778,58 @@ def test_a_model_runs_every_kernel_and_equals_the_pytorch_path(monkeypatch, kind
     assert with_kernels[1].keys() == reference[1].keys()
     for name in reference[1]:
         assert_close(with_kernels[1][name], reference[1][name], 1e-3)
+
+
+@pytest.mark.parametrize("kind", ["samba", "mamba2"])
+@pytest.mark.parametrize("choice", ["samba", "mamba_ssm", "pytorch"])
+def test_the_kernel_switch_runs_only_the_chosen_kernels_with_everything_installed(monkeypatch, kind, choice):
+    """kernel_implementation with every kernel installed: "samba" runs samba-hf's Triton scan and conv alone,
+    "mamba_ssm" mamba-ssm's and causal-conv1d's alone (where "auto" prefers them too), "pytorch" no kernel; each
+    equal to the PyTorch path (forward, gradients, greedy tokens, a continuation, inference chunks)."""
+    calls = only(monkeypatch, PACKAGES + TRITON_ONLY)
+    model = tiny_model(seed=3) if kind == "samba" else tiny_mamba2("megatron", seed=5)
+    ids = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(1))
+    if choice == "pytorch":  # the PyTorch scans may run now
+        for name in ("selective_scan_pytorch", "selective_scan_cpu", "ssd_scan_pytorch"):
+            monkeypatch.setattr(ssm_samba, name, ORIGINAL[name])
+    model.set_kernel_implementation(choice)
+    chosen = run_everything(model, ids, prefix=9)
+    scan = {"samba": "selective_scan_triton", "mamba2": "ssd_scan_triton"}[kind]
+    expected = {
+        "samba": {scan, "causal_conv_triton"},
+        "mamba_ssm": {
+            "selective_scan_fn" if kind == "samba" else "mamba_chunk_scan_combined",
+            "selective_state_update",
+            "causal_conv1d_fn",
+            "causal_conv1d_update",
+        },
+        "pytorch": set(),
+    }[choice]
+    assert {name for name, count in calls.items() if count} == expected, calls
+    pytorch_path(monkeypatch)
+    model.set_kernel_implementation("auto")
+    reference = run_everything(model, ids, prefix=9)
+    for got, want in zip(chosen[:1] + chosen[3:], reference[:1] + reference[3:]):
+        assert_close(got, want, 1e-4)
+    assert torch.equal(chosen[2], reference[2])
+    for name in reference[1]:
+        assert_close(chosen[1][name], reference[1][name], 1e-3)
+
+
+@pytest.mark.parametrize(
+    "installed, choice, message",
+    [
+        (TRITON_ONLY, "mamba_ssm", "selective_scan_fn is not installed"),
+        (PACKAGES, "samba", "samba-hf's Triton scan is unavailable"),
+        (PACKAGES[:3], {"conv": "samba"}, "samba-hf's Triton conv is unavailable"),
+    ],
+)
+def test_a_chosen_kernel_that_is_not_installed_is_one_error(monkeypatch, installed, choice, message):
+    only(monkeypatch, installed)
+    model = tiny_model(seed=3)
+    with pytest.raises(ValueError, match=f"{message}.*'auto', 'pytorch', 'samba', 'mamba_ssm'"):
+        model.set_kernel_implementation(choice)
+    assert model.config.kernel_implementation == "auto"
 
 
 @pytest.mark.parametrize("kind", ["samba", "mamba2"])

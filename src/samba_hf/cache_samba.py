@@ -3,13 +3,12 @@
 - `SambaSlidingWindowLayer`: the sliding-window key/value layer, written in place; `SambaMambaLayer`: the Mamba
   layer (conv window and SSM state), which can be taken back to an earlier token. `use_samba_layers` puts them into a
   fresh cache.
-- Rollback for assisted generation: while transformers' `activate_past_recording` is on, a forward records what
-  `crop` needs to take every layer back to any token it recorded (`record_states`, `tokens_to_record`,
-  `recording_paused`).
-- The cache argument under either name (`cache` in transformers >= 5.24, `past_key_values` in 5.23): `CACHE_NAME`,
-  `one_cache`, `check_cache_type`.
-- What a cache holds, read from shapes only: `cache_layer_kind`, `cache_layer_shape`, `past_length`,
-  `sliding_cache_length`, `cache_has_content`.
+- `ForwardCache`: the cache as one forward uses it, made and checked in one call (under either argument name:
+  `cache` in transformers >= 5.24, `past_key_values` in 5.23; `CACHE_NAME` is the installed one), and what the
+  forward asks of it: its past length, its contents, the tokens that record for a rollback (assisted generation:
+  while transformers' `activate_past_recording` is on, a forward records what `crop` needs; `record_states`).
+- What a cache holds, read from shapes only (for the input checks): `cache_layer_kind`, `cache_layer_shape`,
+  `past_length`, `sliding_cache_length`.
 - Sizes and room: `cache_nbytes` (the bytes a cache holds at a length), `check_static_cache_room`.
 
 Part of the remote code of a saved model: imports only torch and transformers.
@@ -51,17 +50,6 @@ def check_cache_type(cache):
         f"`DynamicCache(config=model.config)` or `StaticCache(config=model.config, max_cache_len=...)`, or None for a "
         f"new one; got {given}."
     )
-
-
-def one_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
-    """The cache given under either name (`cache`: what transformers >= 5.24 passes; `past_key_values`: 5.23), each
-    checked to be a cache first (`check_cache_type`)."""
-    for given in (past_key_values, cache):
-        if given is not None:
-            check_cache_type(given)
-    if past_key_values is not None and cache is not None and past_key_values is not cache:
-        raise ValueError("Pass the cache once, as `cache` or as `past_key_values`, not as both.")
-    return cache if cache is not None else past_key_values
 
 
 def window_slack(sliding_window: int) -> int:
@@ -125,7 +113,7 @@ class SambaMambaLayer(LinearAttentionLayer):
     SSM state after each token it records (`record_states`), and `crop(-n)` puts back the state of n tokens before the
     last. transformers' layer keeps the conv window's inputs while recording and crops them itself. Each `crop` lets
     go of what was recorded: k + 1 states at most between two crops for a k-token draft (one more in a verification
-    that starts with the prompt, `tokens_to_record`)."""
+    that starts with the prompt, `ForwardCache.tokens_to_record`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -196,35 +184,83 @@ def record_states(cache: Cache, layer_idx: int, states: list[torch.Tensor]):
     layer.record_states(states)
 
 
-def is_recording(cache: Cache | None) -> bool:
-    """Whether any layer of the cache records."""
-    return cache is not None and any(cache.is_recording_past(i) for i in range(len(cache.layers)))
+class ForwardCache:
+    """The cache as one forward of a Samba model uses it, made and checked in one call (`prepare`): `cache` is the
+    transformers Cache the layers get (None: no cache), and what the forward asks of it is asked here: how many
+    positions came before, whether it holds anything, whether it can take the input in pieces, and which last tokens
+    record for a rollback."""
 
+    def __init__(self, cache: Cache | None, config):
+        self.cache, self.config = cache, config
 
-def tokens_to_record(cache: Cache | None, attention_mask, length: int, keep_last: int | None) -> int:
-    """In a forward of `length` tokens over a recording cache (assisted generation), how many last tokens record what
-    `crop` needs, where not all: `keep_last` + 1. transformers asks for the logits of the draft and the token after
-    it, and takes the cache back at most that far (by the draft, or by one token into an assistant's prompt); a draft
-    checked together with the prompt then records k + 2 states for a k-token draft, not the whole prompt's. 0 (every
-    token records, or none) without `keep_last`, with padding, or on an input no longer than that."""
-    if keep_last is None or not is_recording(cache) or isinstance(attention_mask, dict):
-        return 0
-    if attention_mask is not None and not bool(attention_mask.all()):
-        return 0
-    return keep_last + 1 if keep_last + 1 < length else 0
+    @classmethod
+    def prepare(cls, config, past_key_values: Cache | None, cache: Cache | None, use_cache: bool) -> "ForwardCache":
+        """The cache given under either name (`cache`: what transformers >= 5.24 passes; `past_key_values`: 5.23),
+        checked to be a cache (`check_cache_type`), or a new `DynamicCache(config=...)` where one is wanted; its fresh
+        layers made samba-hf's (`use_samba_layers`)."""
+        for given in (past_key_values, cache):
+            if given is not None:
+                check_cache_type(given)
+        if past_key_values is not None and cache is not None and past_key_values is not cache:
+            raise ValueError("Pass the cache once, as `cache` or as `past_key_values`, not as both.")
+        cache = cache if cache is not None else past_key_values
+        if cache is None and use_cache:
+            cache = DynamicCache(config=config)
+        if cache is not None:
+            use_samba_layers(cache)
+        return cls(cache, config)
 
+    @property
+    def counts_positions(self) -> bool:
+        """Whether the cache tracks a sequence length: a cache of Mamba (and MLP) layers only does not (asking it
+        raises)."""
+        return self.cache is not None and any(kind in ATTENTION_TYPES for kind in self.config.layer_types)
 
-@contextlib.contextmanager
-def recording_paused(cache: Cache):
-    """The cache's layers record nothing inside (the part of a forward no `crop` can reach back to)."""
-    layers = [layer for layer in cache.layers if getattr(layer, "record_past", False)]
-    for layer in layers:
-        layer.record_past = False
-    try:
-        yield
-    finally:
+    def past_length(self) -> int:
+        """The positions before this input, for its position ids (0 where the cache counts none)."""
+        return self.cache.get_seq_length() if self.counts_positions else 0
+
+    def has_content(self) -> bool:
+        if self.cache is None:
+            return False
+        return self.cache.get_seq_length() > 0 if self.counts_positions else self.cache.has_previous_state()
+
+    def takes_pieces(self) -> bool:
+        """Whether an input can go through this cache in pieces: none yet, or the dynamic one (a static cache comes
+        from generate with its masks made for the whole input)."""
+        return self.cache is None or type(self.cache) is DynamicCache
+
+    def for_pieces(self) -> Cache:
+        """The cache pieces of an input continue through: this one, or a new one for this forward alone."""
+        return self.cache if self.cache is not None else DynamicCache(config=self.config)
+
+    def is_recording(self) -> bool:
+        """Whether any layer records (assisted generation's verification of a draft)."""
+        return self.cache is not None and any(self.cache.is_recording_past(i) for i in range(len(self.cache.layers)))
+
+    def tokens_to_record(self, attention_mask, length: int, keep_last: int | None) -> int:
+        """In a forward of `length` tokens over a recording cache, how many last tokens record what `crop` needs,
+        where not all: `keep_last` + 1. transformers asks for the logits of the draft and the token after it, and
+        takes the cache back at most that far (by the draft, or by one token into an assistant's prompt); a draft
+        checked together with the prompt then records k + 2 states for a k-token draft, not the whole prompt's. 0
+        (every token records, or none) without `keep_last`, with padding, or on an input no longer than that."""
+        if keep_last is None or not self.is_recording() or isinstance(attention_mask, dict):
+            return 0
+        if attention_mask is not None and not bool(attention_mask.all()):
+            return 0
+        return keep_last + 1 if keep_last + 1 < length else 0
+
+    @contextlib.contextmanager
+    def recording_paused(self):
+        """The cache's layers record nothing inside (the part of a forward no `crop` can reach back to)."""
+        layers = [layer for layer in getattr(self.cache, "layers", ()) if getattr(layer, "record_past", False)]
         for layer in layers:
-            layer.record_past = True
+            layer.record_past = False
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.record_past = True
 
 
 def cache_layer_kind(layer) -> str:
@@ -252,20 +288,6 @@ def cache_layer_shape(layer) -> tuple[int, tuple] | None:
     return keys.shape[0], (keys.shape[1], keys.shape[3])
 
 
-def has_attention_cache(cache: Cache | None, config) -> bool:
-    """Whether the cache tracks a sequence length: a cache of Mamba (and MLP) layers only does not (asking it
-    raises)."""
-    return cache is not None and any(kind in ATTENTION_TYPES for kind in config.layer_types)
-
-
-def cache_has_content(cache: Cache | None, config) -> bool:
-    if cache is None:
-        return False
-    if has_attention_cache(cache, config):
-        return cache.get_seq_length() > 0
-    return cache.has_previous_state()
-
-
 def past_length(cache: Cache | None, config) -> int | None:
     """The tokens a 2D mask must cover before the new ones, or None where the cache cannot say cheaply (Mamba
     layers only, or a static cache, whose masks generate makes itself)."""
@@ -273,7 +295,7 @@ def past_length(cache: Cache | None, config) -> int | None:
         return 0
     if type(cache) is not DynamicCache:
         return None
-    if has_attention_cache(cache, config):
+    if any(kind in ATTENTION_TYPES for kind in config.layer_types):
         return cache.get_seq_length()
     return None if cache.has_previous_state() else 0
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, StaticCache
+from transformers.cache_utils import Cache, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.masking_utils import (
@@ -47,16 +47,11 @@ from .attention_samba import attention_forward, eager_attention_forward, sliding
 from .cache_samba import (
     ATTENTION_TYPES,
     CACHE_NAME,
-    cache_has_content,
+    ForwardCache,
     cache_nbytes,
     check_cache_type,
     check_static_cache_room,
-    has_attention_cache,
-    one_cache,
     record_states,
-    recording_paused,
-    tokens_to_record,
-    use_samba_layers,
 )
 from .configuration_samba import SambaConfig
 from .hub_samba import save_folder
@@ -225,7 +220,7 @@ class PackedDocuments:
         self.valid[flat, offsets] = True
 
     @classmethod
-    def find(cls, position_ids, attention_mask, cache, config, batch_size) -> "PackedDocuments | None":
+    def find(cls, position_ids, attention_mask, cache: ForwardCache, batch_size) -> "PackedDocuments | None":
         """The documents packed into the rows (position_ids restart within a row, no padding), or None."""
         if position_ids is None or position_ids.shape[1] < 2 or isinstance(attention_mask, dict):
             return None
@@ -234,7 +229,7 @@ class PackedDocuments:
         document_ids = find_packed_sequence_indices(position_ids)
         if document_ids is None:
             return None
-        if cache_has_content(cache, config):
+        if cache.has_content():
             raise ValueError(
                 "Packed sequences (position_ids restarting inside a row) cannot continue from a cache: run packed "
                 "batches without past_key_values, or pass one document per row."
@@ -698,65 +693,52 @@ class SambaModel(SambaPreTrainedModel):
             The cache still takes every position; a model whose top layers keep no state (SambaY's cross-decoder)
             runs them on those positions only.
         """
-        past_key_values = one_cache(past_key_values, cache)
-        check_inputs(self.config, input_ids, inputs_embeds, attention_mask, past_key_values)
+        cache = ForwardCache.prepare(self.config, past_key_values, cache, use_cache)
+        check_inputs(self.config, input_ids, inputs_embeds, attention_mask, cache.cache)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        documents = PackedDocuments.find(
-            position_ids, attention_mask, past_key_values, self.config, inputs_embeds.shape[0]
-        )
+        documents = PackedDocuments.find(position_ids, attention_mask, cache, inputs_embeds.shape[0])
         if documents is not None:  # a packed (training) batch: nothing to continue from it, so no cache; the mask
-            use_cache, past_key_values, attention_mask = False, None, None  # builders find the documents themselves
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        if past_key_values is not None:
-            use_samba_layers(past_key_values)
+            use_cache, cache, attention_mask = False, ForwardCache(None, self.config), None  # builders find them
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if has_attention_cache(past_key_values, self.config) else 0
-            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen)[None]
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + cache.past_length())[
+                None
+            ]
 
         # packed documents go through in one piece (their boundaries were found once, above)
-        chunk = (
-            self._inference_chunk(inputs_embeds, attention_mask, past_key_values, kwargs) if documents is None else 0
-        )
-        tail = (
-            tokens_to_record(past_key_values, attention_mask, inputs_embeds.shape[1], keep_last)
-            if documents is None
-            else 0
-        )
+        chunk = self._inference_chunk(inputs_embeds, attention_mask, cache, kwargs) if documents is None else 0
+        tail = cache.tokens_to_record(attention_mask, inputs_embeds.shape[1], keep_last) if documents is None else 0
         if chunk or tail:
-            hidden_states = self._run_in_pieces(
-                inputs_embeds, position_ids, past_key_values, kwargs, keep_last, chunk, tail
-            )
+            hidden_states = self._run_in_pieces(inputs_embeds, position_ids, cache, kwargs, keep_last, chunk, tail)
         else:
             hidden_states = self._run_layers(
-                inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents, keep_last
+                inputs_embeds, attention_mask, position_ids, cache.cache, kwargs, documents, keep_last
             )
         if keep_last is not None:
             hidden_states = hidden_states[:, hidden_states.shape[1] - min(keep_last, hidden_states.shape[1]) :]
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, **{CACHE_NAME: past_key_values if use_cache else None}
+            last_hidden_state=hidden_states, **{CACHE_NAME: cache.cache if use_cache else None}
         )
 
-    def _run_in_pieces(self, inputs_embeds, position_ids, past_key_values, kwargs, keep_last, chunk, tail):
+    def _run_in_pieces(self, inputs_embeds, position_ids, cache: ForwardCache, kwargs, keep_last, chunk, tail):
         """The input through the cache in pieces, each continuing from the one before (exactly equal to one pass,
         tested): `chunk` tokens at a time for a long inference input (the activations of a piece stay in the CPU's
         caches; memory is bounded by the piece, not the prompt), and the last `tail` tokens apart, the only ones a
         recording cache records."""
-        cache = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
+        continued = cache.for_pieces()
         length = inputs_embeds.shape[1]
         first_kept = length - min(keep_last, length) if keep_last is not None else 0
         bounds = sorted({*range(0, length - tail, chunk or length), length - tail, length})
         pieces = []
         for start, end in zip(bounds, bounds[1:]):
-            with recording_paused(cache) if tail and start < length - tail else contextlib.nullcontext():
+            with cache.recording_paused() if tail and start < length - tail else contextlib.nullcontext():
                 pieces.append(
                     self._run_layers(
                         inputs_embeds[:, start:end],
                         None,
                         position_ids[:, start:end],
-                        cache,
+                        continued,
                         kwargs,
                         keep_last=max(0, end - max(start, first_kept)),  # of this piece's positions
                     )
@@ -821,7 +803,7 @@ class SambaModel(SambaPreTrainedModel):
             for kind in kinds
         }
 
-    def _inference_chunk(self, inputs_embeds, attention_mask, past_key_values, kwargs) -> int:
+    def _inference_chunk(self, inputs_embeds, attention_mask, cache: ForwardCache, kwargs) -> int:
         """The chunk length to split this forward into, or 0. Only inference (no autograd) over an input longer than
         `config.inference_chunk_size`, without padding, per-layer outputs, packed sequences or a static cache. On a
         GPU the chunks are at least `CUDA_MIN_INFERENCE_CHUNK` tokens: there, chunks only bound memory, and each
@@ -837,9 +819,7 @@ class SambaModel(SambaPreTrainedModel):
             "output_hidden_states", self.config.output_hidden_states
         ):
             return 0
-        if past_key_values is not None and type(past_key_values) is not DynamicCache:
-            return 0
-        return chunk
+        return chunk if cache.takes_pieces() else 0
 
 
 class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
@@ -896,7 +876,7 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
             attention_mask=attention_mask,
             position_ids=position_ids,
             past_key_values=past_key_values,
-            cache=cache,  # SambaModel takes the one given (one_cache)
+            cache=cache,  # SambaModel takes the one given (ForwardCache.prepare)
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             keep_last=keep_last,
