@@ -1,22 +1,24 @@
-"""How samba-hf's attention layers attend: the sliding-window backends, and the one decision of which runs.
+"""How samba-hf's attention layers attend: which attention runs, decided once per forward when the mask is built,
+and the sliding-window paths.
 
-`SambaAttention` makes one call, `attention_forward`, shaped as transformers' attention integrations are
-(module, query, key, value, mask, scaling, dropout -> output (batch, seq, heads, head_dim), weights), with the
-layer's attention interface beside them. What runs follows from the mask the model built once per forward with
-`sliding_window_mask`:
+`ALL_ATTENTION_FUNCTIONS` is transformers' attention interface with samba-hf's variants registered on this instance
+alone (as transformers prescribes for a model's own variants; other models in the process are untouched): its own
+"eager" and "sdpa" (on a GPU a call with fewer queries than keys runs with cuDNN's sdpa off, `sdpa_backends`; on a
+CPU one bfloat16 query attends in float32) and the two sliding-window paths below. A layer looks its attention up
+there once, by the name its mask gives (`attention_implementation`): `sliding_window_mask` builds a mask that
+names samba-hf's own path, or leaves transformers' mask and the configured implementation:
 
-    sliding layer, input longer than the window,   flex_attention on the band (`SlidingWindowFlexMask`): on a GPU,
-    eager or sdpa, no attention weights asked,     outside torch.compile, no attention dropout, where
-    no cache or a DynamicCache                     `flex_attention_works` found it right in this dtype
-                                                   otherwise block by block through sdpa (`SlidingWindowBlocks`): no
-                                                   (queries x keys) mask is built
-    everything else                                transformers' mask and `ALL_ATTENTION_FUNCTIONS[implementation]`
-                                                   (eager as the default); on a GPU, a call with fewer queries than
-                                                   keys runs with cuDNN's sdpa off (`sdpa_backends`); on a CPU one
-                                                   bfloat16 query attends in float32
+    sliding layer, input longer than the window,   "samba_sliding_flex": flex_attention on the band
+    eager or sdpa, no attention weights asked,     (`SlidingWindowFlexMask`), on a GPU, outside torch.compile, no
+    no cache or a DynamicCache (or a ready-made    attention dropout, where `flex_attention_works` found it right
+    mask that lost its window)                     in this dtype; otherwise "samba_sliding_blockwise": block by
+                                                   block through sdpa (`SlidingWindowBlocks`), no (queries x keys)
+                                                   mask
+    everything else                                transformers' mask, and `config._attn_implementation`
 
 Where flex_attention fails, or a new shape would pass torch.compile's recompile limit, the block-wise path runs,
-said once.
+said once. SambaY's differential attention looks up the same interface, and keeps a call of its own where its values
+are twice as wide as its keys (`modeling_sambay`).
 
 Part of the remote code of a saved model: imports only torch and transformers.
 """
@@ -31,6 +33,8 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import AttentionInterface
 from transformers.utils import logging
 
 from .cache_samba import sliding_cache_length
@@ -80,6 +84,7 @@ class SlidingWindowBlocks:
 
     padding: torch.Tensor | None  # (batch, past + seq) bool, False for padding; None when nothing is padded
     window: int
+    implementation = "samba_sliding_blockwise"  # the attention it is for (`ALL_ATTENTION_FUNCTIONS`)
 
 
 # flex_attention's block of queries and of keys; a long input's lengths are padded up to `flex_length`.
@@ -94,6 +99,7 @@ class SlidingWindowFlexMask:
     block_mask: BlockMask
     padding: torch.Tensor | None  # (batch, kv_len) bool: the keys that are not padding; None when all are
     window: int
+    implementation = "samba_sliding_flex"
 
 
 def sliding_window_mask(
@@ -146,63 +152,60 @@ def takes_flex_attention(config, inputs_embeds: torch.Tensor, training: bool) ->
     return flex_attention_works(inputs_embeds.device, dtype, config)
 
 
-def attention_forward(
-    module: nn.Module,
-    attention_interface: Callable,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask,
-    scaling: float,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention for a `SambaAttention` layer, by the path its mask names (see the module docstring):
-    `attention_interface` (transformers' for the configured implementation) unless the mask is one of samba-hf's own.
-
-    query (batch, heads, q_len, head_dim); key / value (batch, kv_heads, kv_len, head_dim), cached positions first.
-    Returns (batch, q_len, heads, head_dim) and the weights (None where none are computed). `module` gives
-    `sliding_window` (None for full attention), `num_key_value_groups`, `config` and `training`."""
-    if isinstance(attention_mask, SlidingWindowFlexMask):
-        return sliding_window_attention_flex(module, query, key, value, attention_mask, scaling), None
-    window, implementation = module.sliding_window, module.config._attn_implementation
-    if isinstance(attention_mask, SlidingWindowBlocks) or (
-        # a ready-made mask mapping with no mask or a 2D one for a long input: the window must still hold
-        window is not None
-        and query.shape[2] > window
-        and implementation in BLOCKWISE_IMPLEMENTATIONS
-        and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2))
+def ready_sliding_mask(config, inputs_embeds: torch.Tensor, mask):
+    """A sliding layer's mask made elsewhere (generate's ready-made masks, transformers' builder) that cannot hold the
+    window: none, or a 2D padding mask, for an input longer than the window in an implementation without a window of
+    its own. The block-wise path's mask then, which holds it; any other mask as it is."""
+    if (
+        inputs_embeds.shape[1] > config.sliding_window
+        and config._attn_implementation in BLOCKWISE_IMPLEMENTATIONS
+        and (mask is None or (isinstance(mask, torch.Tensor) and mask.ndim == 2))
     ):
-        padding = attention_mask.padding if isinstance(attention_mask, SlidingWindowBlocks) else attention_mask
-        padding = None if padding is None else padding[:, -key.shape[2] :].bool()
-        return sliding_window_attention_blockwise(module, query, key, value, padding, window, scaling, dropout), None
+        return SlidingWindowBlocks(None if mask is None else mask.bool(), config.sliding_window)
+    return mask
 
-    dtype = None
-    if (  # on a CPU, sdpa takes several times longer for one bfloat16 query than for one float32 query
-        query.device.type == "cpu"
-        and query.dtype == torch.bfloat16
-        and query.shape[2] == 1
-        and implementation in ("sdpa", "eager")
-        and (
-            attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool)
-        )
-        and not kwargs.get("output_attentions")
-        and not module.training
-    ):
-        dtype, query, key, value = query.dtype, query.float(), key.float(), value.float()
-    with sdpa_backends(query.device, query.shape[2], key.shape[2]):
-        output, weights = attention_interface(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            sliding_window=window,  # flash-attention reads the window here, the others from the mask
-            **kwargs,
-        )
-    return (output if dtype is None else output.to(dtype)), weights
+
+def attention_implementation(config, attention_mask) -> str:
+    """The attention a layer runs with this mask: the path samba-hf's own mask names, else the configured one."""
+    return getattr(attention_mask, "implementation", config._attn_implementation)
+
+
+def _transformers_attention(attention: Callable) -> Callable:
+    """`attention` (eager or sdpa) as samba-hf calls it: on a GPU, with cuDNN's sdpa off for fewer queries than keys
+    (`sdpa_backends`); on a CPU, one bfloat16 query attends in float32 (sdpa takes several times longer for it
+    than for one float32 query). Shapes as transformers' attention functions."""
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        dtype = None
+        if (
+            query.device.type == "cpu"
+            and query.dtype == torch.bfloat16
+            and query.shape[2] == 1
+            and (
+                attention_mask is None
+                or (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool)
+            )
+            and not kwargs.get("output_attentions")
+            and not module.training
+        ):
+            dtype, query, key, value = query.dtype, query.float(), key.float(), value.float()
+        with sdpa_backends(query.device, query.shape[2], key.shape[2]):
+            output, weights = attention(module, query, key, value, attention_mask, **kwargs)
+        return (output if dtype is None else output.to(dtype)), weights
+
+    return attend
+
+
+def _blockwise_attention(module, query, key, value, attention_mask: SlidingWindowBlocks, scaling, dropout=0.0, **_):
+    padding = None if attention_mask.padding is None else attention_mask.padding[:, -key.shape[2] :].bool()
+    output = sliding_window_attention_blockwise(
+        module, query, key, value, padding, attention_mask.window, scaling, dropout
+    )
+    return output, None
+
+
+def _flex_attention(module, query, key, value, attention_mask: SlidingWindowFlexMask, scaling, **_):
+    return sliding_window_attention_flex(module, query, key, value, attention_mask, scaling), None
 
 
 def sliding_window_attention_blockwise(
@@ -483,3 +486,13 @@ def _cudnn_attention_off():
             _CUDNN_OFF_DEPTH -= 1
             if _CUDNN_OFF_DEPTH == 0:
                 torch.backends.cuda.enable_cudnn_sdp(_CUDNN_WAS_ENABLED)
+
+
+# transformers' attention interface with samba-hf's variants on this instance alone, under transformers' own name for
+# it (as its Doge model does; transformers lets `set_attn_implementation` switch models whose layers look their
+# attention up in an `ALL_ATTENTION_FUNCTIONS`): the one place a layer looks its attention up.
+ALL_ATTENTION_FUNCTIONS = AttentionInterface()
+ALL_ATTENTION_FUNCTIONS["eager"] = _transformers_attention(eager_attention_forward)
+ALL_ATTENTION_FUNCTIONS["sdpa"] = _transformers_attention(sdpa_attention_forward)
+ALL_ATTENTION_FUNCTIONS["samba_sliding_blockwise"] = _blockwise_attention
+ALL_ATTENTION_FUNCTIONS["samba_sliding_flex"] = _flex_attention

@@ -37,13 +37,19 @@ from transformers.masking_utils import (
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .attention_samba import attention_forward, eager_attention_forward, sliding_window_mask
+from .attention_samba import (
+    ALL_ATTENTION_FUNCTIONS,
+    attention_implementation,
+    eager_attention_forward,
+    ready_sliding_mask,
+    sliding_window_mask,
+)
 from .cache_samba import (
     ATTENTION_TYPES,
     CACHE_NAME,
@@ -140,8 +146,8 @@ def apply_rotary_pos_emb(q, k, cos, sin):
 
 class SambaAttention(nn.Module):
     """Multi-head (GQA-capable) causal attention with RoPE; sliding-window for "sliding_attention" layers. The
-    attention itself is transformers' interface for the configured implementation, or, for a long input's sliding
-    window, one of samba-hf's paths: `attention_forward` decides (attention_samba.py)."""
+    attention itself is looked up once in samba-hf's attention interface, by the name the mask gives: the configured
+    implementation, or, for a long input's sliding window, one of samba-hf's paths (attention_samba.py)."""
 
     def __init__(self, config: SambaConfig, layer_idx: int):
         super().__init__()
@@ -184,17 +190,17 @@ class SambaAttention(nn.Module):
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
+            attention_implementation(self.config, attention_mask), eager_attention_forward
         )
-        attn_output, attn_weights = attention_forward(
+        attn_output, attn_weights = attention_interface(
             self,
-            attention_interface,
             query_states,
             key_states,
             value_states,
             attention_mask,
             scaling=self.scaling,
             dropout=0.0 if not self.training else self.attention_dropout,
+            sliding_window=self.sliding_window,  # flash-attention reads the window here, the others from the mask
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
@@ -773,10 +779,15 @@ class SambaModel(SambaPreTrainedModel):
     def _mask_mapping(self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents) -> dict:
         """One mask per kind of layer (`config.layer_types`), built once per forward (each sized against the cache of
         the first layer of its kind); generate() may pass them ready-made as a dict. A long input's sliding layers
-        take samba-hf's own mask where `sliding_window_mask` gives one."""
+        take samba-hf's own mask where `sliding_window_mask` gives one, and the block-wise path's where a mask made
+        elsewhere lost the window (`ready_sliding_mask`): which attention each layer runs is decided here."""
+        config = self.config
         if isinstance(attention_mask, dict):
-            return attention_mask
-        config, kinds = self.config, set(self.config.layer_types) & set(MASK_BUILDERS)
+            masks = dict(attention_mask)
+            if "sliding_attention" in masks and self._owns_long_sliding_window:
+                masks["sliding_attention"] = ready_sliding_mask(config, inputs_embeds, masks["sliding_attention"])
+            return masks
+        kinds = set(config.layer_types) & set(MASK_BUILDERS)
         sliding = None
         if "sliding_attention" in kinds and self._owns_long_sliding_window:
             output_attentions = kwargs.get("output_attentions", config.output_attentions)
@@ -796,12 +807,15 @@ class SambaModel(SambaPreTrainedModel):
             CACHE_NAME: past_key_values,
             "position_ids": position_ids,
         }
-        return {
+        masks = {
             kind: sliding
             if kind == "sliding_attention" and sliding is not None
             else MASK_BUILDERS[kind](**mask_kwargs, layer_idx=config.layer_types.index(kind))
             for kind in kinds
         }
+        if "sliding_attention" in masks and self._owns_long_sliding_window:
+            masks["sliding_attention"] = ready_sliding_mask(config, inputs_embeds, masks["sliding_attention"])
+        return masks
 
     def _inference_chunk(self, inputs_embeds, attention_mask, cache: ForwardCache, kwargs) -> int:
         """The chunk length to split this forward into, or 0. Only inference (no autograd) over an input longer than

@@ -31,10 +31,9 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 
-from .attention_samba import eager_attention_forward, sdpa_backends
+from .attention_samba import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_sambay import SambaYConfig
 from .linear_samba import SambaLinear
 from .modeling_samba import SambaForCausalLM, SambaMambaMixer, SambaModel, SambaPreTrainedModel, SambaRMSNorm
@@ -73,14 +72,14 @@ class SambaYDifferentialAttention(nn.Module):
         return torch.cat([value[:, 0::2], value[:, 1::2]], dim=-1)
 
     def attend(self, query, key, values, attention_mask, **options):
-        """One softmax attention through transformers' interface, values twice as wide as queries and keys. Eager and
-        sdpa take that as it is; kernels that need one head size (flash-attention) attend to each half of the values
-        and the halves are put back side by side (the release's four flash calls per layer)."""
+        """One softmax attention through samba-hf's attention interface (`attention_samba`'s ALL_ATTENTION_FUNCTIONS),
+        its own call because the values are twice as wide as the queries and keys: eager and sdpa take that as it is;
+        kernels that need one head size (flash-attention) attend to each half of the values and the halves are put
+        back side by side (the release's four flash calls per layer)."""
         implementation = self.config._attn_implementation
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         if implementation in ("eager", "sdpa"):
-            with sdpa_backends(query.device, query.shape[2], key.shape[2]):
-                return attention(self, query, key, values, attention_mask, **options)
+            return attention(self, query, key, values, attention_mask, **options)
         halves = [
             attention(self, query, key, half.contiguous(), attention_mask, **options)
             for half in values.chunk(2, dim=-1)
