@@ -2,7 +2,7 @@
 
     python benchmarks/gpu.py --out out/gpu/kernels.json            # on a CUDA machine; ~2-4 minutes
     python benchmarks/gpu.py --plot out/gpu/*.json --plot-out out/gpu/figure2.png
-    python benchmarks/gpu.py --table out/gpu/*.json                # Markdown for docs/speed-history.md
+    python benchmarks/gpu.py --table out/gpu/*.json                # Markdown for benchmarks/results/HISTORY.md
     bash benchmarks/gpu_run.sh                                      # everything, on the GPU machine (see there)
 
 Models (random weights, bf16; speed does not depend on the weights):
@@ -899,10 +899,10 @@ DECODE_MODES = ("eager", "eager_no_cudnn", "graphs")  # a decode cell: "eager / 
 
 
 def table(paths: list[str]) -> str:
-    """The runs as Markdown for docs/speed-history.md, in the paper's Table 4 spirit: per run and model, prefill
-    tokens/s at each length (Samba's ratio to the same run's Llama, the Mamba-2-Hybrid's to NemotronH), decode tokens/s
-    per context x batch (eager / eager with sdpa kept off cuDNN, for transformers' models / graphs), the
-    training step's tokens/s; each run's label, device and date on its heading."""
+    """The runs as Markdown for benchmarks/results/HISTORY.md, in the paper's Table 4 spirit: per run and model,
+    prefill tokens/s at each length (Samba's ratio to the same run's Llama, the Mamba-2-Hybrid's to NemotronH),
+    decode tokens/s per context x batch (eager / eager with sdpa kept off cuDNN, for transformers' models /
+    graphs), the training step's tokens/s; each run's label, device and date on its heading."""
 
     def cell(entry, key="tokens_per_s"):
         if not isinstance(entry, dict):

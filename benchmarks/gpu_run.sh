@@ -17,7 +17,7 @@
 # them beside mamba-ssm's kernels, and NemotronH takes mamba-ssm), cut off by its --time-limit so that everything
 # ends by $DEADLINE seconds (default 580). On an H100 (2026-11-26) the two test runs took 131 s and 158 s and left
 # the benchmark 57 s, too few: it ran as a second command on the same machine (220 s; the command is in
-# docs/speed-history.md). So with 15 minutes of device time (a start, 9 minutes, 4 minutes): `all`, then at once
+# benchmarks/results/HISTORY.md). So with 15 minutes of device time (a start, 9 minutes, 4 minutes): `all`, then at once
 # `bench` on the still-warm machine; `bench-kernels` when there is more time.
 #   1. transformers 5.24 (from the bundle) first on the path; samba-hf from src/;
 #   2. mamba-ssm and causal-conv1d built from their sdists for this GPU's architecture only, both at once (kept in

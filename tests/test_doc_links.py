@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = sorted([*ROOT.glob("*.md"), *ROOT.glob("docs/**/*.md"), *ROOT.glob("vllm_plugin/*.md")])
+PAGES = sorted(
+    [
+        *ROOT.glob("*.md"),
+        *ROOT.glob("docs/**/*.md"),
+        *ROOT.glob("vllm_plugin/*.md"),
+        *ROOT.glob("benchmarks/results/*.md"),
+    ]
+)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
@@ -83,9 +90,10 @@ def test_the_checker_finds_what_is_broken(tmp_path):
 
 def test_the_speed_page_opens_with_a_summary_and_keeps_the_runs_apart():
     """docs/speed.md's first section is one table of what is fast against what, each row naming its machine (or
-    pointing at the row above's) and its date, and linking to its run in docs/speed-history.md, which holds the runs;
-    no round of history is left on the summary page."""
-    speed, history = (ROOT / "docs" / "speed.md").read_text(), (ROOT / "docs" / "speed-history.md").read_text()
+    pointing at the row above's) and its date, and linking to its run in benchmarks/results/HISTORY.md, which holds
+    the runs; no round of history is left on the summary page."""
+    speed = (ROOT / "docs" / "speed.md").read_text()
+    history = (ROOT / "benchmarks" / "results" / "HISTORY.md").read_text()
     sections = re.split(r"^## ", speed, flags=re.M)
     assert sections[1].startswith("Summary\n"), sections[1][:80]
     rows = [line for line in sections[1].splitlines() if line.startswith("| ")][2:]  # after the header and |---|
@@ -93,7 +101,7 @@ def test_the_speed_page_opens_with_a_summary_and_keeps_the_runs_apart():
     for row in rows:
         machine = row.strip(" |").split(" | ")[-1]
         assert re.search(r"20\d\d-\d\d-\d\d", machine) or machine.startswith("same "), row
-    assert sum("speed-history.md#" in row for row in rows) >= 8
+    assert sum("HISTORY.md#" in row for row in rows) >= 8
     for run in (
         "third round, 2026-11-24",
         "second round, 2026-11-22",

@@ -111,7 +111,7 @@ def auto_dtype(device) -> tuple:
 def cpu_native_bfloat16() -> str | None:
     """The instruction set extension that makes bfloat16 products native on this CPU, or None: AVX512-BF16 or AMX on
     x86, the BF16 extension on Arm. Without one PyTorch emulates bf16 products, several times slower than float32
-    (docs/speed-history.md); with one, bf16 reads half the bytes of float32 per weight."""
+    (benchmarks/results/HISTORY.md); with one, bf16 reads half the bytes of float32 per weight."""
     import platform
 
     import torch
