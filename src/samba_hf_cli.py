@@ -164,6 +164,18 @@ class Parser(argparse.ArgumentParser):
 KERNEL_CHOICES = ("auto", "pytorch", "samba", "mamba_ssm")
 
 
+def add_kernels_option(command: argparse.ArgumentParser):
+    """--kernels, the kernel switch, for the commands that run a model."""
+    command.add_argument(
+        "--kernels",
+        default="auto",
+        choices=KERNEL_CHOICES,
+        help="which code runs the Mamba scan, the conv and the linear layers (samba-hf's models; docs/model.md, "
+        "'Choosing the kernels'): auto (the fastest installed), pytorch, samba (samba-hf's own kernels), mamba_ssm "
+        "(mamba-ssm's and causal-conv1d's, on CUDA)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="samba-hf",
@@ -201,14 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: bfloat16 on CUDA, and on CPUs that multiply it natively and faster; else float32",
     )
     gen.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
-    gen.add_argument(
-        "--kernels",
-        default="auto",
-        choices=KERNEL_CHOICES,
-        help="which code runs the Mamba scan, the conv and the linear layers (samba-hf's models; docs/model.md, "
-        "'Choosing the kernels'): auto (the fastest installed), pytorch, samba (samba-hf's own kernels), mamba_ssm "
-        "(mamba-ssm's and causal-conv1d's, on CUDA)",
-    )
+    add_kernels_option(gen)
     gen.add_argument(
         "--prefill-chunk-size",
         type=int,
@@ -366,14 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
             help="float32: the same scores on every machine; auto: as generate's --dtype",
         )
         t.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
-        t.add_argument(
-            "--kernels",
-            default="auto",
-            choices=KERNEL_CHOICES,
-            help="which code runs the Mamba scan, the conv and the linear layers (samba-hf's models; "
-            "docs/model.md, 'Choosing the kernels'): auto (the fastest installed), pytorch, samba (samba-hf's own "
-            "kernels), mamba_ssm (mamba-ssm's and causal-conv1d's, on CUDA)",
-        )
+        add_kernels_option(t)
         t.set_defaults(command_name="eval", check=check_eval_arguments)
     return parser
 

@@ -217,70 +217,31 @@ class SambaMixerConfig(PreTrainedConfig):
 # What NVIDIA's two 8B Mamba-2 models share (their Megatron `args`: hidden 4096, 32 heads in 8 query groups of
 # kv_channels 128, ffn 16384, RMSNorm eps 1e-5, position_embedding_type "none", untied output layer, padded vocabulary
 # 256000).
+# fmt: off
 MEGATRON_8B = dict(
-    vocab_size=256000,
-    hidden_size=4096,
-    intermediate_size=16384,
-    num_hidden_layers=56,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    use_rope=False,
-    sliding_window=None,
-    tie_word_embeddings=False,
-    max_position_embeddings=4096,
-    mamba_version=2,
-    mamba_d_state=128,
-    mamba_d_conv=4,
-    mamba_expand=2,
-    mamba2_head_dim=64,
-    mamba2_n_groups=8,
-    mamba2_chunk_size=128,
-    mlp_gated=False,
-    mlp_hidden_act="gelu",
-    bos_token_id=None,
-    eos_token_id=None,
+    vocab_size=256000, hidden_size=4096, intermediate_size=16384, num_hidden_layers=56, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, use_rope=False, sliding_window=None, tie_word_embeddings=False,
+    max_position_embeddings=4096, mamba_version=2, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2,
+    mamba2_head_dim=64, mamba2_n_groups=8, mamba2_chunk_size=128, mlp_gated=False, mlp_hidden_act="gelu",
+    bos_token_id=None, eos_token_id=None,
 )
+# fmt: on
 
 # Exact shapes of the official checkpoints (microsoft/Samba lit_gpt/config.py: Samba_421M, Samba_1.3B) and of the
 # larger models of the paper (Table 12, which counts a mixer and an MLP as two "layers": 1.7B = 24 of our layers).
+# Each official preset's shapes, in the order of `PRESET_FIELDS`.
+PRESET_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim")  # fmt: skip
 PRESETS = {
-    "samba-421m": dict(
-        vocab_size=32000,
-        hidden_size=1536,
-        intermediate_size=4096,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        head_dim=128,
-    ),
-    "samba-1.3b": dict(
-        vocab_size=32000,
-        hidden_size=2304,
-        intermediate_size=6144,
-        num_hidden_layers=18,
-        num_attention_heads=18,
-        num_key_value_heads=18,
-        head_dim=128,
-    ),
-    "samba-1.7b": dict(
-        vocab_size=50304,
-        hidden_size=2048,
-        intermediate_size=8196,
-        num_hidden_layers=24,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=64,
-    ),
-    "samba-3.8b": dict(
-        vocab_size=32064,
-        hidden_size=2816,
-        intermediate_size=9984,
-        num_hidden_layers=32,
-        num_attention_heads=11,
-        num_key_value_heads=1,
-        head_dim=256,
-    ),
+    **{
+        name: dict(zip(PRESET_FIELDS, shapes))
+        for name, shapes in {
+            "samba-421m": (32000, 1536, 4096, 12, 12, 12, 128),
+            "samba-1.3b": (32000, 2304, 6144, 18, 18, 18, 128),
+            "samba-1.7b": (50304, 2048, 8196, 24, 32, 4, 64),
+            "samba-3.8b": (32064, 2816, 9984, 32, 11, 1, 256),
+        }.items()
+    },
     # NVIDIA's releases with "An Empirical Study of Mamba-based Language Models" (Waleffe et al., 2024), as
     # Megatron-LM builds them (examples/mamba; Mamba geometry: Megatron's 2024 defaults, see
     # `samba-hf convert megatron`): 56 blocks of one sub-layer each, Mamba-2 mixers, attention without position

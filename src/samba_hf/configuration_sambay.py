@@ -84,18 +84,9 @@ class SambaYConfig(SambaMixerConfig):
     def __post_init__(self, **kwargs):
         check_field_types(self, FIELD_TYPES)  # as SambaConfig checks its own
         self._check_shared_fields()
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "sliding_window",
-            "max_position_embeddings",
-        ):
+        for name in FIELD_TYPES["an int"]:
             value = getattr(self, name)  # an int: check_field_types has seen to that
-            if value < 1:
+            if value < 1 and name != "mb_per_layer":  # (which must be 2: below)
                 fail(f"`{name}` must be a positive integer, got {value!r}.")
         if self.num_hidden_layers % 4:
             fail(
@@ -165,33 +156,15 @@ class SambaYConfig(SambaMixerConfig):
 
 
 # The type of each field, checked by `check_field_types` (shared with SambaConfig).
+# fmt: off
 FIELD_TYPES = {
-    "an int": (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-        "sliding_window",
-        "mb_per_layer",
-    ),
+    "an int": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings", "sliding_window", "mb_per_layer"),
     "an int or None": ("pad_token_id", "bos_token_id"),
-    "a finite number": (
-        "initializer_range",
-        "layer_norm_eps",
-        "attention_dropout",
-        "embd_pdrop",
-        "resid_pdrop",
-    ),
-    "true or false (a bool)": (
-        "use_cache",
-        "tie_word_embeddings",
-        "mlp_bias",
-        "lm_head_bias",
-    ),
+    "a finite number": ("initializer_range", "layer_norm_eps", "attention_dropout", "embd_pdrop", "resid_pdrop"),
+    "true or false (a bool)": ("use_cache", "tie_word_embeddings", "mlp_bias", "lm_head_bias"),
 }
+# fmt: on
 
 # The cache layer each block needs, in transformers' layer-type names (GMU and cross-attention layers get none: see
 # `kv_sharing_modes`).
