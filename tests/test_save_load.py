@@ -181,22 +181,27 @@ def assert_loads_without_the_package(folder, class_name="SambaForCausalLM", atol
     assert f"REMOTE-OK {class_name}" in result.stdout
 
 
-# A folder that samba-hf's main wrote before its files were split (see its expected.safetensors' metadata): its
-# config's auto_map, parameter names and remote code (which registers the same torch.ops.samba_hf operators) must keep
-# loading, with the package and without it. Its logits were computed when it was written.
-SAVED_BEFORE_THE_SPLIT = os.path.join(os.path.dirname(__file__), "data", "saved_2026-11-28")
+# Folders that samba-hf's main wrote before a change of its code's layout (see each expected.safetensors' metadata):
+# before its files were split (a Samba), and before #47's kernel switch, mixer scaffold and cache and attention owned
+# once (a Samba with Mamba-2 layers). Their config's auto_map, parameter names and remote code (which registers the
+# same torch.ops.samba_hf operators) must keep loading, with the package and without it. Their logits and greedy
+# tokens were computed when they were written.
+SAVED_EARLIER = [
+    os.path.join(os.path.dirname(__file__), "data", name) for name in ("saved_2026-11-28", "saved_00ea575")
+]
 
 
-def saved_before_the_split(tmp_path):
+def saved_earlier(tmp_path, source):
     from safetensors.torch import load_file
 
-    folder = tmp_path / "saved"
-    shutil.copytree(SAVED_BEFORE_THE_SPLIT, folder)
+    folder = tmp_path / os.path.basename(source)  # its name names the remote code's modules: one each
+    shutil.copytree(source, folder)
     return folder, load_file(folder / "expected.safetensors")
 
 
-def test_a_folder_saved_before_the_split_loads_with_the_package(tmp_path):
-    folder, expected = saved_before_the_split(tmp_path)
+@pytest.mark.parametrize("source", SAVED_EARLIER, ids=os.path.basename)
+def test_a_folder_saved_earlier_loads_with_the_package(tmp_path, source):
+    folder, expected = saved_earlier(tmp_path, source)
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert type(model) is SambaForCausalLM
     with torch.no_grad():
@@ -206,13 +211,21 @@ def test_a_folder_saved_before_the_split_loads_with_the_package(tmp_path):
     assert torch.equal(greedy, expected["greedy"])
 
 
-def test_a_folder_saved_before_the_split_loads_as_remote_code_beside_the_package(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def modules_cache(tmp_path_factory):
+    """One cache of remote-code modules for the folders of this file (`transformers_modules` is imported once per
+    process, from the first cache it was given)."""
+    return str(tmp_path_factory.mktemp("modules_cache"))
+
+
+@pytest.mark.parametrize("source", SAVED_EARLIER, ids=os.path.basename)
+def test_a_folder_saved_earlier_loads_as_remote_code_beside_the_package(tmp_path, monkeypatch, modules_cache, source):
     """In a process that has imported samba_hf (and so registered its operators), the folder's own older code
     (which the Auto classes would not take here: samba_hf registered "samba" with them)."""
     from transformers import dynamic_module_utils
 
-    folder, expected = saved_before_the_split(tmp_path)
-    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules_cache"))
+    folder, expected = saved_earlier(tmp_path, source)
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", modules_cache)
     model_class = dynamic_module_utils.get_class_from_dynamic_module("modeling_samba.SambaForCausalLM", str(folder))
     model = model_class.from_pretrained(folder)
     assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
@@ -221,8 +234,9 @@ def test_a_folder_saved_before_the_split_loads_as_remote_code_beside_the_package
     torch.testing.assert_close(logits, expected["logits"], rtol=0, atol=1e-5)
 
 
-def test_a_folder_saved_before_the_split_loads_without_the_package(tmp_path):
-    folder, expected = saved_before_the_split(tmp_path)
+@pytest.mark.parametrize("source", SAVED_EARLIER, ids=os.path.basename)
+def test_a_folder_saved_earlier_loads_without_the_package(tmp_path, source):
+    folder, expected = saved_earlier(tmp_path, source)
     torch.save({"ids": expected["input_ids"], "logits": expected["logits"]}, folder / "expected.pt")
     assert_loads_without_the_package(folder, atol=1e-5)
 
