@@ -37,7 +37,7 @@ def counted(monkeypatch) -> dict:
 
     for name in ("selective_scan_cpu", "selective_scan_pytorch", "ssd_scan_pytorch", "depthwise_causal_conv"):
         count(ssm_samba, name)
-    count(linear_samba, "gemv")
+    count(linear_samba, "gemv_cpu")
     count(torch.nn.Conv1d, "forward")
     return calls
 
@@ -65,10 +65,10 @@ def test_each_choice_runs_its_own_cpu_path_and_gives_the_same_numbers(monkeypatc
     reference_scan = "selective_scan_pytorch" if kind == "samba" else "ssd_scan_pytorch"
     gemv = cpu_kernels_samba.gemv_available()  # on CPUs with AVX-512 and a C compiler
     expected = {
-        "auto": {scan, "depthwise_causal_conv", *["gemv"] * gemv},
-        "samba": {scan, "depthwise_causal_conv", *["gemv"] * gemv},
+        "auto": {scan, "depthwise_causal_conv", *["gemv_cpu"] * gemv},
+        "samba": {scan, "depthwise_causal_conv", *["gemv_cpu"] * gemv},
         "pytorch": {reference_scan, "forward"},
-        "{'scan': 'pytorch'}": {reference_scan, "depthwise_causal_conv", *["gemv"] * gemv},
+        "{'scan': 'pytorch'}": {reference_scan, "depthwise_causal_conv", *["gemv_cpu"] * gemv},
         "{'conv': 'pytorch', 'linear': 'pytorch'}": {scan, "forward"},
     }
     logits = {}
@@ -160,7 +160,7 @@ def test_a_tensor_subclass_weight_never_reaches_the_c_kernel(monkeypatch):
     x = torch.randn(1, 16)
     with torch.no_grad():
         torch.testing.assert_close(layer(x).as_subclass(torch.Tensor), plain(x), rtol=0, atol=1e-6)
-    assert calls.get("gemv", 0) == (1 if cpu_kernels_samba.gemv_available() else 0)  # the plain layer's call
+    assert calls.get("gemv_cpu", 0) == (1 if cpu_kernels_samba.gemv_available() else 0)  # the plain layer's call
 
 
 def test_the_cli_takes_kernels_and_says_in_one_line_what_cannot_run(capsys):

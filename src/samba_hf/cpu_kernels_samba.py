@@ -751,9 +751,4 @@ def _gemv_operator():
     return operator
 
 
-_GEMV_OPERATOR = _gemv_operator()
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`gemv_cpu` for inference, as the operator `torch.ops.samba_hf.gemv_cpu` while torch.compile traces."""
-    return run_kernel((), lambda: gemv_cpu(x, weight, bias), operator=lambda: _GEMV_OPERATOR(x, weight, bias))
+GEMV_OPERATOR = _gemv_operator()  # what `SambaLinear` calls while torch.compile traces

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .cpu_kernels_samba import MAX_TOKENS, gemv, gemv_available
+from .cpu_kernels_samba import GEMV_OPERATOR, MAX_TOKENS, gemv_available, gemv_cpu
+from .kernels_samba import run_kernel
 
 logger = logging.get_logger(__name__)
 
@@ -40,8 +41,10 @@ class SambaLinear(nn.Linear):
             and 0 < x.numel() <= MAX_TOKENS * self.in_features
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         ):
-            if gemv_available():
-                return gemv(x, weight, self.bias)
+            if gemv_available():  # inference only: no autograd function
+                return run_kernel(
+                    (), lambda: gemv_cpu(x, weight, self.bias), operator=lambda: GEMV_OPERATOR(x, weight, self.bias)
+                )
             if self.kernel == "samba" and not torch.compiler.is_compiling():
                 logger.warning_once(
                     'samba-hf: kernel_implementation "samba" asks for samba-hf\'s matrix-vector kernel, which this '

@@ -259,11 +259,13 @@ class SambaStateSpaceMixer(nn.Module):
 
     scan_kernel = conv_kernel = "auto"  # the kernel switch's choices (`kernels_samba`)
 
-    def __init__(self, config: SambaConfig, layer_idx: int, conv_channels: int):
+    def __init__(self, config: SambaConfig, layer_idx: int, in_proj_width: int, conv_channels: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.conv_kernel_size = config.mamba_d_conv
         self.act = ACT2FN[config.hidden_act]
+        # in_proj first, then the conv: the order their weights are drawn in from a seed
+        self.in_proj = SambaLinear(config.hidden_size, in_proj_width, bias=config.mamba_proj_bias)
         self.conv1d = nn.Conv1d(
             conv_channels,
             conv_channels,
@@ -332,13 +334,12 @@ class SambaMambaMixer(SambaStateSpaceMixer):
     """
 
     def __init__(self, config: SambaConfig, layer_idx: int):
-        super().__init__(config, layer_idx, conv_channels=config.mamba_d_inner)
+        super().__init__(config, layer_idx, 2 * config.mamba_d_inner, conv_channels=config.mamba_d_inner)  # in: x, z
         self.hidden_size = config.hidden_size
         self.intermediate_size = config.mamba_d_inner
         self.ssm_state_size = config.mamba_d_state
         self.time_step_rank = config.mamba_dt_rank
 
-        self.in_proj = SambaLinear(self.hidden_size, 2 * self.intermediate_size, bias=config.mamba_proj_bias)
         self.x_proj = SambaLinear(self.intermediate_size, self.time_step_rank + 2 * self.ssm_state_size, bias=False)
         self.dt_proj = SambaLinear(self.time_step_rank, self.intermediate_size, bias=True)
         # S4D-real initialisation: A = -[1, 2, ..., N] for every channel, stored as log(-A).
@@ -407,7 +408,8 @@ class SambaMamba2Mixer(SambaStateSpaceMixer):
 
     def __init__(self, config: SambaConfig, layer_idx: int):
         conv_dim = config.mamba_d_inner + 2 * config.mamba2_n_groups * config.mamba_d_state  # x, B, C
-        super().__init__(config, layer_idx, conv_channels=conv_dim)
+        # in_proj: z, xBC, dt
+        super().__init__(config, layer_idx, config.mamba_d_inner + conv_dim + config.mamba2_num_heads, conv_dim)
         self.intermediate_size = config.mamba_d_inner
         self.ssm_state_size = config.mamba_d_state
         self.head_dim = config.mamba2_head_dim
@@ -416,9 +418,6 @@ class SambaMamba2Mixer(SambaStateSpaceMixer):
         self.chunk_size = config.mamba2_chunk_size
         self.conv_dim = conv_dim
 
-        self.in_proj = SambaLinear(
-            config.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads, bias=config.mamba_proj_bias
-        )
         self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
