@@ -33,7 +33,8 @@ LAYOUTS = [
 
 
 def load_kernels(source=SOURCE):
-    spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3] + "_checked", source)
+    # a module of the samba_hf package (its relative imports need one), under a name of its own
+    spec = importlib.util.spec_from_file_location("samba_hf." + os.path.basename(source)[:-3] + "_checked", source)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
