@@ -38,6 +38,11 @@ ATTENTION_TYPES = ("sliding_attention", "full_attention")
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+def has_attention_layers(config) -> bool:
+    """Whether the layout has attention layers, whose cache counts positions (Mamba and MLP layers count none)."""
+    return any(kind in ATTENTION_TYPES for kind in config.layer_types)
+
+
 def check_cache_type(cache):
     """One TypeError, naming what is taken, for a cache argument that is no cache of a decoder: a string, a tuple, an
     `EncoderDecoderCache` (an encoder-decoder model's pair of caches), any other object. Where it comes from, forward
@@ -214,7 +219,7 @@ class ForwardCache:
     def counts_positions(self) -> bool:
         """Whether the cache tracks a sequence length: a cache of Mamba (and MLP) layers only does not (asking it
         raises)."""
-        return self.cache is not None and any(kind in ATTENTION_TYPES for kind in self.config.layer_types)
+        return self.cache is not None and has_attention_layers(self.config)
 
     def past_length(self) -> int:
         """The positions before this input, for its position ids (0 where the cache counts none)."""
@@ -295,7 +300,7 @@ def past_length(cache: Cache | None, config) -> int | None:
         return 0
     if type(cache) is not DynamicCache:
         return None
-    if any(kind in ATTENTION_TYPES for kind in config.layer_types):
+    if has_attention_layers(config):
         return cache.get_seq_length()
     return None if cache.has_previous_state() else 0
 

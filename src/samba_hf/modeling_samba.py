@@ -51,12 +51,12 @@ from .attention_samba import (
     sliding_window_mask,
 )
 from .cache_samba import (
-    ATTENTION_TYPES,
     CACHE_NAME,
     ForwardCache,
     cache_nbytes,
     check_cache_type,
     check_static_cache_room,
+    has_attention_layers,
     record_states,
 )
 from .configuration_samba import SambaConfig
@@ -760,7 +760,7 @@ class SambaModel(SambaPreTrainedModel):
         )
         hidden_states = inputs_embeds
         position_embeddings = None
-        if self.config.use_rope and any(kind in ATTENTION_TYPES for kind in self.config.layer_types):
+        if self.config.use_rope and has_attention_layers(self.config):
             position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
 
         for decoder_layer in self.layers:
@@ -783,10 +783,14 @@ class SambaModel(SambaPreTrainedModel):
         config = self.config
         if isinstance(attention_mask, dict):
             masks = dict(attention_mask)
-            if "sliding_attention" in masks and self._owns_long_sliding_window:
-                masks["sliding_attention"] = ready_sliding_mask(config, inputs_embeds, masks["sliding_attention"])
-            return masks
-        kinds = set(config.layer_types) & set(MASK_BUILDERS)
+        else:
+            masks = self._build_masks(inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents)
+        if "sliding_attention" in masks and self._owns_long_sliding_window:
+            masks["sliding_attention"] = ready_sliding_mask(config, inputs_embeds, masks["sliding_attention"])
+        return masks
+
+    def _build_masks(self, inputs_embeds, attention_mask, position_ids, past_key_values, kwargs, documents) -> dict:
+        config, kinds = self.config, set(self.config.layer_types) & set(MASK_BUILDERS)
         sliding = None
         if "sliding_attention" in kinds and self._owns_long_sliding_window:
             output_attentions = kwargs.get("output_attentions", config.output_attentions)
@@ -806,15 +810,12 @@ class SambaModel(SambaPreTrainedModel):
             CACHE_NAME: past_key_values,
             "position_ids": position_ids,
         }
-        masks = {
+        return {
             kind: sliding
             if kind == "sliding_attention" and sliding is not None
             else MASK_BUILDERS[kind](**mask_kwargs, layer_idx=config.layer_types.index(kind))
             for kind in kinds
         }
-        if "sliding_attention" in masks and self._owns_long_sliding_window:
-            masks["sliding_attention"] = ready_sliding_mask(config, inputs_embeds, masks["sliding_attention"])
-        return masks
 
     def _inference_chunk(self, inputs_embeds, attention_mask, cache: ForwardCache, kwargs) -> int:
         """The chunk length to split this forward into, or 0. Only inference (no autograd) over an input longer than
