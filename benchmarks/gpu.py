@@ -10,6 +10,9 @@ Models (random weights, bf16; speed does not depend on the weights):
     Llama-1.3B       transformers' Llama of the same shape (18 layers, 18 heads of 128, MLP 6144, vocab 32000), sdpa
     Mamba-2-Hybrid   samba-hf, blocks 7-13 of NVIDIA's Mamba-2-Hybrid 8B ("M-M*-M-", full width, its 256K vocab)
     NemotronH        transformers' NemotronHForCausalLM on the same layout and sizes
+    Phi-4-mini-flash Phi-4-mini-flash-reasoning's released layout (SambaY, tests/data/sambay/config.json), 3.85B
+    Llama-3.8B       transformers' Llama of its width, depth, heads and vocabulary, the MLP widened to 11008 so that it
+                     has as many parameters (benchmarks/sambay_full_size.py's), sdpa
 
 Measured: prefill (one forward, `logits_to_keep=1`, no cache) at --prefill lengths, tokens/s; decode tokens/s at
 --decode contexts, batch 1 and --batch, from a cache filled with random states and keys/values of that context (a
@@ -32,6 +35,10 @@ which keeps it on its torch path too (recorded as "nemotron_h_mamba_ssm"). bench
 --kernels triton (what `pip install` gives) and, given time, with everything; --plot draws the JSON files together.
 On a machine without CUDA it says so in one line and exits 1. --smoke runs the same code on tiny models on the CPU
 (tests/test_benchmark_options.py runs it), so that a GPU session never discovers a bug in this file.
+
+Checking drafts (--verify, the speculative-decoding cost): from a cache filled as for decode, batch 1, the time of a
+recorded forward of --verify-tokens tokens (a current token and its drafts, the cache recording as assisted
+generation has it, then a `crop` of the drafts) against one eager one-token step, median of --steps each.
 """
 
 import argparse
@@ -46,10 +53,14 @@ from datetime import date
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, NemotronHConfig
 
-from samba_hf import SambaConfig, SambaForCausalLM, attention_samba, ssm_samba
+from samba_hf import SambaConfig, SambaForCausalLM, SambaYConfig, SambaYForCausalLM, attention_samba, ssm_samba
 from samba_hf.cache_samba import CACHE_NAME, cache_layer_kind, use_samba_layers
 
-MODELS = ("Samba-1.3B", "Llama-1.3B", "Mamba-2-Hybrid", "NemotronH")
+MODELS = ("Samba-1.3B", "Llama-1.3B", "Phi-4-mini-flash", "Llama-3.8B", "Mamba-2-Hybrid", "NemotronH")
+RELEASE_CONFIG = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data", "sambay", "config.json"
+)
+LLAMA_3_8B_MLP = 11008  # as many parameters as Phi-4-mini-flash (benchmarks/sambay_full_size.py)
 HYBRID_PATTERN = "M-M*-M-"  # blocks 7-13 of the 8B's pattern
 
 
@@ -112,20 +123,52 @@ def configs(smoke: bool) -> dict:
         residual_in_fp32=False,
         attn_implementation="sdpa",
     )
-    return {"Samba-1.3B": samba, "Llama-1.3B": llama, "Mamba-2-Hybrid": hybrid, "NemotronH": nemotron}
+    with open(RELEASE_CONFIG) as f:
+        released = json.load(f)
+    if smoke:
+        released.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+        released.update(num_hidden_layers=8, vocab_size=512, sliding_window=16, pad_token_id=0)
+        released.update(bos_token_id=0, eos_token_id=0)
+    sambay = SambaYConfig.from_dict(released)
+    llama_3_8b = LlamaConfig(
+        vocab_size=sambay.vocab_size,
+        hidden_size=sambay.hidden_size,
+        intermediate_size=128 if smoke else LLAMA_3_8B_MLP,
+        num_hidden_layers=sambay.num_hidden_layers,
+        num_attention_heads=sambay.num_attention_heads,
+        num_key_value_heads=sambay.num_key_value_heads,
+        head_dim=sambay.hidden_size // sambay.num_attention_heads,
+        tie_word_embeddings=True,
+        max_position_embeddings=262144,
+        attn_implementation="sdpa",
+    )
+    return {
+        "Samba-1.3B": samba,
+        "Llama-1.3B": llama,
+        "Phi-4-mini-flash": sambay,
+        "Llama-3.8B": llama_3_8b,
+        "Mamba-2-Hybrid": hybrid,
+        "NemotronH": nemotron,
+    }
 
 
 def build(name: str, config, device, dtype):
     from transformers import NemotronHForCausalLM  # (imported here: after `hide_kernel_packages`, where it runs)
 
     torch.manual_seed(0)
-    cls = {"Llama-1.3B": LlamaForCausalLM, "NemotronH": NemotronHForCausalLM}.get(name, SambaForCausalLM)
-    if cls is SambaForCausalLM:
+    transformers_models = {
+        "Llama-1.3B": LlamaForCausalLM,
+        "Llama-3.8B": LlamaForCausalLM,
+        "NemotronH": NemotronHForCausalLM,
+    }
+    cls = transformers_models.get(name, SambaYForCausalLM if name == "Phi-4-mini-flash" else SambaForCausalLM)
+    ours = cls in (SambaForCausalLM, SambaYForCausalLM)
+    if ours:
         config._attn_implementation = "sdpa"
     with torch.device(device):
         model = cls(config)
     model = model.to(dtype).eval()
-    if cls is SambaForCausalLM:
+    if ours:
         model.set_kernel_implementation(KERNEL_SWITCH[KERNELS])  # --kernels, through the public switch
     return model
 
@@ -134,12 +177,13 @@ def filled_cache(model, batch: int, context: int) -> DynamicCache:
     """A cache as after `context` tokens: random Mamba states and keys/values (a sliding layer keeps window - 1)."""
     config, device, dtype = model.config, model.device, model.dtype
     cache = DynamicCache(config=config)
-    use_samba_layers(cache)  # samba-hf's in-place window, as its forward sets up (others: no-op)
+    if isinstance(model, (SambaForCausalLM, SambaYForCausalLM)):
+        use_samba_layers(cache)  # samba-hf's in-place window and Mamba layers, as its forward sets up
     for i, layer in enumerate(cache.layers):
         kind = cache_layer_kind(layer)
         block = model.model.layers[i]
         if kind == "linear_attention":
-            mixer = getattr(block, "mamba", None) or block.mixer
+            mixer = getattr(block, "mamba", None) or getattr(block, "mixer", None) or block.attn  # (SambaY's: attn)
             kernel = mixer.conv1d.kernel_size[0]
             cache.update_conv_state(
                 torch.randn(batch, mixer.conv1d.in_channels, kernel, device=device, dtype=dtype),
@@ -152,7 +196,8 @@ def filled_cache(model, batch: int, context: int) -> DynamicCache:
             )
         elif kind in ("sliding_attention", "full_attention"):
             length = context if kind == "full_attention" else min(context, config.sliding_window - 1)
-            kv = torch.randn(batch, config.num_key_value_heads, length, config.head_dim, device=device, dtype=dtype)
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            kv = torch.randn(batch, config.num_key_value_heads, length, head_dim, device=device, dtype=dtype)
             cache.update(kv, kv.clone(), i)
     return cache
 
@@ -240,6 +285,39 @@ def eager_decoder(model, context: int, batch: int):
 
     run(2)
     return run
+
+
+@torch.no_grad()
+def verify(model, context: int, tokens: int, steps: int) -> dict:
+    """What checking drafts costs: a recorded forward of `tokens` tokens (the current one and tokens - 1 drafts, the
+    cache recording as assisted generation has it) and the `crop` that takes every draft back, against one eager
+    one-token step, batch 1, from a cache as after `context` tokens; medians of `steps` each (after a warm-up)."""
+    device = model.device
+    cache = filled_cache(model, 1, context)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+    at = context
+
+    def step(n):
+        nonlocal at
+        position = torch.arange(at, at + n, device=device)[None]
+        model(ids[:, :n], **{CACHE_NAME: cache}, use_cache=True, position_ids=position, logits_to_keep=n)
+        if n > 1:
+            cache.crop(-(n - 1))  # every draft refused: the cache one token on, as after a one-token step
+        at += 1
+
+    def median_ms(n):
+        times = []
+        for i in range(steps + 2):
+            with Timer() as t:
+                step(n)
+            if i >= 2:
+                times.append(1000 * t.seconds)
+        return sorted(times)[len(times) // 2]
+
+    one = median_ms(1)
+    cache.activate_past_recording()
+    checked = median_ms(tokens)
+    return {"one_step_ms": one, "check_ms": checked, "check_in_steps": checked / one, "tokens": tokens}
 
 
 def sdpa_without_cudnn():
@@ -418,17 +496,18 @@ def measure(args, device) -> dict:
         "kernel_implementation": KERNEL_SWITCH[KERNELS],
         "models": {},
     }
-    result["sliding_attention"] = sliding_attention(args, device, dtype)
-    result["mamba_conv"] = mamba_conv(args, device, dtype)
-    result["mamba_scan"] = mamba_scan(args, device, dtype)
-    result["scan_configs"] = scan_configs(args, device, dtype)
+    if args.micro:
+        result["sliding_attention"] = sliding_attention(args, device, dtype)
+        result["mamba_conv"] = mamba_conv(args, device, dtype)
+        result["mamba_scan"] = mamba_scan(args, device, dtype)
+        result["scan_configs"] = scan_configs(args, device, dtype)
     chosen = {name: config for name, config in configs(args.smoke).items() if name in args.models.split(",")}
     for name in chosen:
         result["models"][name] = {"prefill": {}, "decode": {}, "train": {}}
     # Phase by phase, every model in each (one in memory at a time), so that a run cut short by --time-limit has
     # every model's prefill and eager decode before the slow compiles of the graphs phase.
-    for phase in ("prefill", "decode", "train", "graphs"):
-        if phase == "graphs" and not args.graphs:
+    for phase in PHASES:
+        if (phase == "graphs" and not args.graphs) or (phase == "verify" and not args.verify_tokens):
             continue
         for name, config in chosen.items():
             if skip_reason(args):
@@ -463,14 +542,17 @@ def prefill_phase(args, name, model, row):
 
 def decode_phase(args, name, model, row):
     for context in ints(args.decode):
-        for batch in sorted({1, args.batch}):
-            why = skip_reason(args)
+        full = None  # a batch that ran out of memory: larger ones are skipped
+        for batch in sorted({1, *ints(args.batch)}):
+            why = skip_reason(args) or (full and f"batch {full} ran out of memory")
             entry = row["decode"].setdefault(f"{context}x{batch}", {})
             entry["eager"] = (
                 {"skipped": why} if why else attempt(lambda: decode_eager(model, context, batch, args.steps))
             )
             report(name, f"decode {context}x{batch} eager", entry["eager"])
-            if name in BASELINES.values() and not skip_reason(args):
+            if entry["eager"].get("error") == "out of memory":
+                full = batch
+            if name in BASELINES.values() and not skip_reason(args) and "tokens_per_s" in entry["eager"]:
                 entry["eager_no_cudnn"] = attempt(lambda: decode_eager(model, context, batch, args.steps, cudnn=False))
                 report(name, f"decode {context}x{batch} eager, sdpa without cuDNN", entry["eager_no_cudnn"])
     if not skip_reason(args):
@@ -556,6 +638,19 @@ def decode_profile(model, context: int, steps: int = 3) -> dict:
     }
 
 
+VERIFIED = ("Samba-1.3B", "Llama-1.3B", "Phi-4-mini-flash", "Llama-3.8B")  # the models checking drafts is timed on
+
+
+def verify_phase(args, name, model, row):
+    if name not in VERIFIED:
+        return
+    for context in ints(args.decode):
+        why = skip_reason(args)
+        entry = {"skipped": why} if why else attempt(lambda: verify(model, context, args.verify_tokens, args.steps))
+        row.setdefault("verify", {})[context] = entry
+        report(name, f"verify {args.verify_tokens} at {context}", entry)
+
+
 def train_phase(args, name, model, row):
     for length in ints(args.train):
         why = skip_reason(args)
@@ -565,7 +660,7 @@ def train_phase(args, name, model, row):
 
 def graphs_phase(args, name, model, row):
     for context in ints(args.decode):
-        for batch in sorted({1, args.batch}):
+        for batch in sorted({1, ints(args.batch)[0]}):  # (each batch compiles anew)
             if context > args.graphs_max_context or skip_reason(args):
                 continue
             entry = row["decode"].setdefault(f"{context}x{batch}", {})
@@ -850,7 +945,13 @@ def at_each_length(args, what: str, measure) -> dict:
     return rows
 
 
-PHASES = {"prefill": prefill_phase, "decode": decode_phase, "train": train_phase, "graphs": graphs_phase}
+PHASES = {
+    "prefill": prefill_phase,
+    "decode": decode_phase,
+    "verify": verify_phase,
+    "train": train_phase,
+    "graphs": graphs_phase,
+}
 
 
 def skip_reason(args, predicted_seconds=None) -> str | None:
@@ -894,7 +995,7 @@ def ints(text: str) -> list[int]:
 
 
 # What each model's prefill is compared with in --table: the same shape (Samba, Llama) or the same layout.
-BASELINES = {"Samba-1.3B": "Llama-1.3B", "Mamba-2-Hybrid": "NemotronH"}
+BASELINES = {"Samba-1.3B": "Llama-1.3B", "Phi-4-mini-flash": "Llama-3.8B", "Mamba-2-Hybrid": "NemotronH"}
 DECODE_MODES = ("eager", "eager_no_cudnn", "graphs")  # a decode cell: "eager / eager, sdpa without cuDNN / graphs"
 
 
@@ -987,9 +1088,21 @@ def main(argv=None):
     parser.add_argument("--models", default=",".join(MODELS), help=f"a subset of {','.join(MODELS)}")
     parser.add_argument("--prefill", default="2048,4096,8192,16384,32768,65536,131072")
     parser.add_argument("--decode", default="1024,16384,65536")
-    parser.add_argument("--batch", type=int, default=16, help="the second decode batch size (the first is 1)")
+    parser.add_argument(
+        "--batch",
+        default="16",
+        help="decode batch sizes besides 1, comma-separated (larger ones are skipped past an out of memory; graphs "
+        "take the first)",
+    )
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
-    parser.add_argument("--train", default="4096", help="training-step lengths")
+    parser.add_argument("--train", default="4096", help="training-step lengths (none: an empty string)")
+    parser.add_argument(
+        "--verify-tokens",
+        type=int,
+        default=9,
+        help="checking drafts: a recorded forward of this many tokens (8 drafts and the current one) against a "
+        "one-token step, at each --decode context; 0: not measured",
+    )
     parser.add_argument("--repeat", type=int, default=2, help="prefill: best of this many")
     parser.add_argument(
         "--cap",
@@ -1008,6 +1121,12 @@ def main(argv=None):
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also decode through generate with a static cache (compiled, CUDA graphs)",
+    )
+    parser.add_argument(
+        "--micro",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first, the micro-benchmarks: one layer's sliding-window attention, Mamba conv and scans, scan configs",
     )
     parser.add_argument(
         "--graphs-max-context",
@@ -1051,17 +1170,20 @@ def main(argv=None):
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:
         parser.error(f"--models takes names from {','.join(MODELS)}, got {', '.join(sorted(unknown))}")
-    for option in ("prefill", "decode", "train"):
+    for option in ("prefill", "decode", "train", "batch"):
         try:
             values = ints(getattr(args, option))
         except ValueError:
-            parser.error(f"--{option} takes comma-separated token counts, got {getattr(args, option)!r}")
+            what = "sizes" if option == "batch" else "token counts"
+            parser.error(f"--{option} takes comma-separated {what}, got {getattr(args, option)!r}")
         if any(v < 1 for v in values):
-            parser.error(f"--{option} takes positive token counts, got {getattr(args, option)!r}")
-    if args.batch < 1 or args.steps < 2 or args.repeat < 1 or args.cap <= 0 or args.time_limit <= 0:
+            parser.error(f"--{option} takes positive numbers, got {getattr(args, option)!r}")
+    if args.verify_tokens < 0 or args.verify_tokens == 1:
+        parser.error("--verify-tokens takes 0 (not measured) or 2 or more tokens")
+    if not ints(args.batch) or args.steps < 2 or args.repeat < 1 or args.cap <= 0 or args.time_limit <= 0:
         parser.error(
-            "--batch and --repeat take 1 or more, --steps 2 or more, --cap and --time-limit a positive "
-            "number of seconds"
+            "--batch takes one or more sizes, --repeat 1 or more, --steps 2 or more, --cap and --time-limit a "
+            "positive number of seconds"
         )
     if args.out and os.path.isdir(args.out):
         parser.error(f"--out {args.out} is a folder: give the JSON file's path")

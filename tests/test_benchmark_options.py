@@ -169,9 +169,9 @@ def test_the_gpu_script_refuses_a_wrong_stage_a_missing_bundle_and_a_machine_wit
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }  # python3: this CPU-only torch
     cases = [
-        (["tests"], "the stage is pip, kernels, bench, bench-kernels or nothing (all), not tests"),  # the old name
-        (["pip"], f"no wheels in {bundle}"),
-        (["pip"], "sees no CUDA GPU here"),
+        (["pip"], "the stage is second, bench-kernels or nothing (all), not pip"),  # an old name
+        (["second"], f"no wheels in {bundle}"),
+        ([], "sees no CUDA GPU here"),
     ]
     for number, (argv, said) in enumerate(cases):
         if number == 2:
@@ -191,7 +191,14 @@ def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     run = json.loads(out.read_text())
-    assert set(run["models"]) == {"Samba-1.3B", "Llama-1.3B", "Mamba-2-Hybrid", "NemotronH"}
+    assert set(run["models"]) == {
+        "Samba-1.3B",
+        "Llama-1.3B",
+        "Phi-4-mini-flash",
+        "Llama-3.8B",
+        "Mamba-2-Hybrid",
+        "NemotronH",
+    }
     assert run["label"] == "torch" and run["kernels"]["selective_scan_fn"] is False  # nothing installed here
     assert set(run["sliding_attention"]) == {"32", "64"}
     assert all(
@@ -222,8 +229,15 @@ def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
         assert 0 < row["weights_read"]["weights_read_ms"] and row["weights_read"]["weights_gib"] > 0, name
         # transformers' models are also timed with sdpa kept off cuDNN (as samba-hf's are over a cache)
         assert all(
-            ("eager_no_cudnn" in entry) == (name in ("Llama-1.3B", "NemotronH")) for entry in row["decode"].values()
+            ("eager_no_cudnn" in entry) == (name in ("Llama-1.3B", "Llama-3.8B", "NemotronH"))
+            for entry in row["decode"].values()
         ), name
+        # checking 9 tokens (8 drafts) against a one-token step, on Samba, Phi-4-mini-flash and their Llamas
+        if name in ("Samba-1.3B", "Llama-1.3B", "Phi-4-mini-flash", "Llama-3.8B"):
+            assert set(row["verify"]) == {"24", "40"}, name
+            assert all(v["check_ms"] > 0 and v["one_step_ms"] > 0 and v["tokens"] == 9 for v in row["verify"].values())
+        else:
+            assert "verify" not in row, name
         assert row["decode_profile"]["ops_per_step"] > 10 and row["decode_profile"]["ms_per_step_cpu_by_op"], name
         # which attention kernels a step took (every one of these models has attention layers)
         assert any("attention" in op for op, *_ in row["decode_profile"]["attention_ops_per_step"]), name
@@ -232,7 +246,7 @@ def test_the_gpu_benchmark_runs_every_measurement_on_tiny_models(tmp_path):
     )
     assert shown.returncode == 0, shown.stderr[-2000:]
     rows = [line for line in shown.stdout.splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + 4 and "x)" in rows[1]  # a heading and the four models; Samba's ratio to Llama
+    assert len(rows) == 1 + 6 and "x)" in rows[1]  # a heading and the six models; Samba's ratio to Llama
     figure = tmp_path / "figure.png"
     drawn = subprocess.run(
         [sys.executable, str(GPU), "--plot", str(out), "--plot-out", str(figure)],
@@ -287,8 +301,10 @@ def test_the_gpu_benchmark_says_in_one_line_that_there_is_no_gpu(tmp_path):
     [
         (["--models", "Samba-1.3B,GPT"], "--models takes names from"),
         (["--prefill", "2k"], "--prefill takes comma-separated token counts"),
-        (["--decode", "0"], "--decode takes positive token counts"),
+        (["--decode", "0"], "--decode takes positive numbers"),
         (["--steps", "1"], "--steps 2 or more"),
+        (["--batch", "16,x"], "--batch takes comma-separated sizes"),
+        (["--verify-tokens", "1"], "--verify-tokens takes 0 (not measured) or 2 or more tokens"),
         (["--plot", "/no/such/run.json"], "--plot: no such file: /no/such/run.json"),
         (["--table", "/no/such/run.json"], "--table: no such file: /no/such/run.json"),
         (["--kernels", "mamba"], "argument --kernels: invalid choice"),

@@ -373,16 +373,37 @@ def test_an_eager_decoding_step_neither_synchronises_nor_builds_cudnn_graphs(kin
     print(f"torch alone takes cuDNN for a step's shapes: {any('cudnn_attention' in name for name in alone)}")
 
 
-@pytest.mark.parametrize("kind", ["samba", "mamba2"])
+@pytest.mark.parametrize("kind", ["samba", "mamba2", "sambay"])
 def test_decoding_in_cuda_graphs_gives_the_eager_tokens(kind):
     """generate with transformers' switches (a static cache, compile_config; its default mode on a GPU replays the
     compiled step as a CUDA graph, which needs the Mamba states and the window written in place): the eager tokens, in
-    float32, with whichever kernels are installed."""
+    float32, with whichever kernels are installed. SambaY: Phi-4-mini-flash-reasoning's layout."""
     from test_generation import compiled_generate_equals_eager
     from test_mamba2 import tiny_mamba2
+    from test_sambay import tiny_model as tiny_sambay
 
-    model = (tiny_model(seed=11) if kind == "samba" else tiny_mamba2("megatron", seed=7)).cuda()
-    compiled_generate_equals_eager(model, vocab=97)
+    models = {
+        "samba": lambda: tiny_model(seed=11),
+        "mamba2": lambda: tiny_mamba2("megatron", seed=7),
+        "sambay": lambda: tiny_sambay(seed=5)[0],
+    }
+    model = models[kind]().cuda()
+    compiled_generate_equals_eager(model, vocab=model.config.vocab_size)
+
+
+@pytest.mark.parametrize("name", ["samba", "megatron", "sambay"])
+def test_speculative_decoding_on_the_gpu_gives_the_greedy_tokens(name):
+    """Prompt lookup and an assistant of the same family, on the GPU in float32 with whichever kernels are installed:
+    plain greedy's tokens exactly (the recorded forward and `crop` run the GPU's scans and conv)."""
+    from test_assisted_generation import greedy, layout, repetitive_prompt
+    from test_sambay import tiny_model as tiny_sambay
+
+    model = layout(name).cuda()
+    ids = repetitive_prompt(model.config.vocab_size).cuda()
+    expected = greedy(model, ids)
+    assert torch.equal(greedy(model, ids, prompt_lookup_num_tokens=5), expected)
+    assistant = tiny_model(seed=12, vocab_size=model.config.vocab_size) if name != "sambay" else tiny_sambay(seed=6)[0]
+    assert torch.equal(greedy(model, ids, assistant_model=assistant.cuda()), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
