@@ -109,7 +109,7 @@ if [ "$STAGE" = second ]; then
         log "build of $name: $(cat "$WORK/$name.done" 2> /dev/null || echo 'not finished')"
         { echo "===== build of $name"; tail -n 30 "$WORK/build-$name.log" 2> /dev/null; } >> "$OUT/steps.log"
     done
-    step test-gpu-with-kernels 170 env PYTHONPATH="$(with_kernels)" python3 -m pytest -q -rf --durations=8 tests/test_gpu.py
+    step test-gpu-with-kernels "${TEST_LIMIT:-170}" env PYTHONPATH="$(with_kernels)" python3 -m pytest -q -rf --durations=8 tests/test_gpu.py
     if [ "$(left)" -gt 40 ]; then
         step bench-phi "$(left)" env PYTHONPATH="$without" python3 benchmarks/gpu.py --kernels triton $phi_lengths \
             --time-limit $(($(left) * 2 / 3)) --out "$OUT/gpu-phi.json"
