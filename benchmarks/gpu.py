@@ -854,7 +854,7 @@ SCAN_CONFIGS = [
     ("16 tokens a step, no segments", {"TILE_ELEMENTS": 8192, "NUM_WARPS": 8, "MIN_SEGMENT": 1 << 30}),
     ("Mamba-2 by the scan, not the chunked SSD (the H100 run's)", {"SSD_MIN_TOKENS": 1 << 30}),
     ("chunked SSD: chunks of 64", {"SSD_CHUNK": 64}),
-    ("chunked SSD: 64 channels a program", {"SSD_BLOCK_P": 64}),
+    ("chunked SSD: 32 channels a program (the default before the H200 run of 2026-11-28)", {"SSD_BLOCK_P": 32}),
     ("chunked SSD: 16 channels a program, 4 warps", {"SSD_BLOCK_P": 16, "SSD_NUM_WARPS": 4}),
     ("16 channels a program", {"BLOCK_D_MAX": 16}),
     ("8 channels a program", {"BLOCK_D_MAX": 8}),
@@ -862,7 +862,10 @@ SCAN_CONFIGS = [
     ("2 warps", {"NUM_WARPS": 2}),
     ("8 warps", {"NUM_WARPS": 8}),
     ("segments of 128, 16 programs an SM", {"MIN_SEGMENT": 128, "PROGRAMS_PER_SM": 16}),
-    ("segments of 64, 32 programs an SM", {"MIN_SEGMENT": 64, "PROGRAMS_PER_SM": 32}),
+    (
+        "segments of 256, 8 programs an SM (the default before the H200 run of 2026-11-28)",
+        {"MIN_SEGMENT": 256, "PROGRAMS_PER_SM": 8},
+    ),
     ("segments of 512, 4 programs an SM", {"MIN_SEGMENT": 512, "PROGRAMS_PER_SM": 4}),
 ]
 

@@ -17,7 +17,8 @@
 #   1. transformers 5.24 (from the bundle) first on the path; samba-hf from src/;
 #   2. mamba-ssm and causal-conv1d built from their sdists for this GPU's architecture only, both at once, niced,
 #      into $WORK (default ~/.samba-hf-gpu), each writing $WORK/<sdist>.done when finished;
-#   3. each test and benchmark step under a time limit, each JSON written as it goes;
+#   3. each test and benchmark step under a time limit, each JSON written as it goes; tests/test_gpu.py on 4 workers
+#      (pytest-xdist, in the GPU image): on the H200 (2026-11-28) one worker ran 28 and 22 of its 34 cases in 200 s;
 #   4. the GPU and versions in $OUT/run.log, every step's output appended to $OUT/steps.log (few files: the device
 #      tool brings back at most 8).
 # A step that fails is logged and the next one runs. Writes into $OUT (default out/gpu).
@@ -94,7 +95,7 @@ if [ "$STAGE" = all ]; then
         setsid nice -n 10 env MAX_JOBS=$jobs bash -c "build $sdist" > "$WORK/build-$name.log" 2>&1 < /dev/null &
         log "build of $name started (MAX_JOBS=$jobs, niced, its own session): log $WORK/build-$name.log"
     done
-    step test-gpu-without-kernels 200 env PYTHONPATH="$without" python3 -m pytest -q -rf --durations=8 tests/test_gpu.py
+    step test-gpu-without-kernels 200 env PYTHONPATH="$without" python3 -m pytest -q -rf -n 4 --durations=8 tests/test_gpu.py
     if [ "$(left)" -gt 60 ]; then
         step bench-samba "$(left)" env PYTHONPATH="$without" python3 benchmarks/gpu.py --kernels triton $samba_lengths \
             --time-limit $(($(left) - 40)) --out "$OUT/gpu-samba.json"
@@ -109,7 +110,7 @@ if [ "$STAGE" = second ]; then
         log "build of $name: $(cat "$WORK/$name.done" 2> /dev/null || echo 'not finished')"
         { echo "===== build of $name"; tail -n 30 "$WORK/build-$name.log" 2> /dev/null; } >> "$OUT/steps.log"
     done
-    step test-gpu-with-kernels "${TEST_LIMIT:-170}" env PYTHONPATH="$(with_kernels)" python3 -m pytest -q -rf --durations=8 tests/test_gpu.py
+    step test-gpu-with-kernels "${TEST_LIMIT:-170}" env PYTHONPATH="$(with_kernels)" python3 -m pytest -q -rf -n 4 --durations=8 tests/test_gpu.py
     if [ "$(left)" -gt 40 ]; then
         step bench-phi "$(left)" env PYTHONPATH="$without" python3 benchmarks/gpu.py --kernels triton $phi_lengths \
             --time-limit $(($(left) * 2 / 3)) --out "$OUT/gpu-phi.json"

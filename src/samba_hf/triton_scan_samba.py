@@ -56,14 +56,14 @@ from .kernels_samba import run_kernel
 
 CHUNK = 64  # tokens between the forward's checkpoints, and the backward's recompute length
 # The forward's launch: channels per program at most (the state block, BLOCK_D x BLOCK_N floats, stays at most 2048
-# in registers), and warps per program. Set by the compiler's resources, not by timings: benchmarks/gpu.py's
-# `scan_configs` times the alternatives (and the segments' MIN_SEGMENT / PROGRAMS_PER_SM below).
+# in registers), and warps per program. Set by the compiler's resources and kept by a GPU's timings:
+# benchmarks/gpu.py's `scan_configs` times the alternatives (fewer channels, 1 / 2 / 8 warps: each slower).
 BLOCK_D_MAX = 32
 NUM_WARPS = 4
 # Tokens a step of the forward: at most TILE_MAX (1: a token a step), with the step's tile (tokens x channels x
 # states, float32) at most TILE_ELEMENTS, so that it stays in registers without spilling (16 tokens of 32 channels
-# spill): 4 tokens for Samba's layers and 1 for Mamba-2's 128 states. Chosen by the compiler's resources, not by
-# timings: `scan_configs` times the others.
+# spill): 4 tokens for Samba's layers and 1 for Mamba-2's 128 states. Chosen by the compiler's resources and kept by
+# a GPU's timings (`scan_configs`: a token a step and 8 or 16 tokens a step were slower).
 TILE_MAX = 16
 TILE_ELEMENTS = 2048
 
@@ -831,9 +831,11 @@ def _strides(x, n):
 # Segments: a long sequence is cut into segments scanned at once from zero, then joined (the time parallelism a
 # sequential scan lacks: with few sequences and channel blocks, most of the GPU would wait), and walked back at once
 # in the backward. Each segment at least MIN_SEGMENT tokens (whole chunks where there is a backward); about
-# PROGRAMS_PER_SM programs per multiprocessor in all.
-MIN_SEGMENT = 256
-PROGRAMS_PER_SM = 8
+# PROGRAMS_PER_SM programs per multiprocessor in all. Chosen by a GPU's timings (benchmarks/gpu.py's `scan_configs`,
+# docs/speed.md): of 64 / 128 / 256 / 512 tokens, the smallest segments and the most programs were the fastest,
+# forward and backward.
+MIN_SEGMENT = 64
+PROGRAMS_PER_SM = 32
 
 
 def _segments(layout, batch: int, seq_len: int, device: torch.device) -> int:
@@ -1195,10 +1197,11 @@ def selective_scan_triton(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torc
 
 
 # The chunked SSD's launch (`ssd_chunked_triton`): SSD_CHUNK tokens a chunk, SSD_BLOCK_P channels of a head a program.
-# 32 x 32 with 8 warps: no register spills for the 8B's 64 x 128 heads on sm_80 and sm_90 (chunks of 64 spill);
-# chosen by the compiler's resources, not by timings. Which Mamba-2 calls take it is decided in `ssm_samba.ssd_scan`.
+# Chunks of 32 (64 spill registers, and were no faster); a whole head of 64 channels a program, with 8 warps: by a
+# GPU's timings (`scan_configs`, docs/speed.md) twice as fast at 32K tokens as 32 channels, with the same output (a
+# head's B and C are read once, not by two programs). Which Mamba-2 calls take it is decided in `ssm_samba.ssd_scan`.
 SSD_CHUNK = 32
-SSD_BLOCK_P = 32
+SSD_BLOCK_P = 64
 SSD_NUM_WARPS = 8
 
 
