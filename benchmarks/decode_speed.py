@@ -16,6 +16,11 @@
    and compiled by the same switches; each a fresh process, alternated `--repeats` times, medians.
 3. The matrix-vector kernel alone: every linear of the 113M Samba on one token, through the kernel and through
    nn.Linear; and one query's sdpa over 1023 keys in the dtype and in float32.
+4. Checking drafts (`--parts checks`): on the 113M Samba (the kernel on every thread, on one thread, and PyTorch's
+   products) and Llama, from a cache as after the first context, a recorded forward of k tokens (the current one
+   and k - 1 drafts, recording as assisted generation has it) and the crop of the drafts, against a one-token step
+   (`benchmarks/gpu.py`'s `verify`, medians of --steps), for k in 2, 9 and 16; in float32 also with torchao's int8
+   weight-only weights where torchao is installed.
 Dtypes: float32, plus bfloat16 where this CPU multiplies it natively (the rule of `--dtype auto`).
 """
 
@@ -177,6 +182,44 @@ def kernels(dtype: torch.dtype, repeats: int = 7) -> dict:
     return result
 
 
+def checks(dtype: torch.dtype, context: int, steps: int) -> dict:
+    """ms of a one-token step and of checking k - 1 drafts (`gpu.verify`), each model and product path in turn."""
+    from gpu import verify
+
+    from samba_hf import cpu_kernels_samba
+
+    library = cpu_kernels_samba._gemv_library()
+    paths = {
+        "kernel, every thread": ("auto", True),
+        "kernel, one thread": ("auto", False),
+        "pytorch": ("pytorch", True),
+    }
+    result = {"threads": torch.get_num_threads(), "kernel available": library is not None}
+    for name in ("samba", "llama"):
+        model = build(name, "cpu", dtype)
+        for path, (linear, threaded) in (paths if name == "samba" else {"": ("auto", True)}).items():
+            if name == "samba":
+                model.set_kernel_implementation({"scan": "auto", "conv": "auto", "linear": linear})
+                if library is not None:
+                    library.threaded = threaded and bool(library.samba_gemv_has_openmp())
+            for tokens in (2, 9, 16):
+                result[f"{name} {path} k={tokens}".replace("  ", " ")] = verify(model, context, tokens, steps)
+        if library is not None:
+            library.threaded = bool(library.samba_gemv_has_openmp()) and cpu_kernels_samba._shares_torchs_openmp(
+                library
+            )
+    try:  # int8 weights through torchao (the quantize extra), float32 activations
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        return result
+    if dtype == torch.float32:
+        model = build("samba", "cpu", dtype)
+        quantize_(model, Int8WeightOnlyConfig())
+        for tokens in (2, 9, 16):
+            result[f"samba int8 (torchao) k={tokens}"] = verify(model, context, tokens, steps)
+    return result
+
+
 LLAMA_STEPS = """
 import statistics, sys, time, torch
 from transformers import AutoConfig, CompileConfig, LlamaConfig, LlamaForCausalLM
@@ -261,15 +304,15 @@ def main():
         default="steps,default,kernels",
         help="steps (the 113M models' decode step), "
         "default (the embedded default through samba-hf generate), kernels (the 113M Samba's linears "
-        "through the kernel and nn.Linear; one query's sdpa)",
+        "through the kernel and nn.Linear; one query's sdpa), checks (checking drafts against a step)",
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.out is not None and not args.out.parent.is_dir():
         parser.error(f"--out: the folder {args.out.parent} does not exist")
     parts = args.parts.split(",")
-    if not parts or set(parts) - {"steps", "default", "kernels"}:
-        parser.error(f"--parts: give some of steps, default, kernels, got {args.parts!r}")
+    if not parts or set(parts) - {"steps", "default", "kernels", "checks"}:
+        parser.error(f"--parts: give some of steps, default, kernels, checks, got {args.parts!r}")
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be at least 1")
     dtypes = args.dtypes.split(",") if args.dtypes else default_dtypes("cpu")
@@ -294,6 +337,8 @@ def main():
         result = decode_steps(getattr(torch, dtype), contexts, args.steps) if "steps" in parts else {}
         if "kernels" in parts:
             result["kernels_ms"] = kernels(getattr(torch, dtype))
+        if "checks" in parts:
+            result["checks"] = checks(getattr(torch, dtype), contexts[0], args.steps)
         if "default" in parts:
             result["default_model_tokens_per_s"] = default_model(dtype, args.repeats)
         report["results"][dtype] = result

@@ -272,3 +272,37 @@ def test_a_static_cache_of_any_size_is_enough_for_mamba_layers():
     options = dict(max_new_tokens=10, do_sample=False)
     smallest = StaticCache(config=model.config, max_cache_len=1)
     assert torch.equal(model.generate(ids, **{CACHE_NAME: smallest}, **options), model.generate(ids, **options))
+
+
+def test_a_recording_window_is_written_in_place_with_transformers_contents():
+    """While assisted decoding records, a check of drafted tokens is written into the window's buffer (no copy of
+    the window per check) and every position is kept until `crop`, as transformers' `DynamicSlidingWindowLayer`
+    keeps them: through prompt, steps, recorded checks taken back in part, whole or not at all, two recorded checks
+    in a row and crops of 0, the keys and values each update returns and the layer holds equal transformers'."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from samba_hf.cache_samba import SambaSlidingWindowLayer
+
+    torch.manual_seed(0)
+    window = 32  # slack 2: a buffer of 33 positions
+    ours, theirs = SambaSlidingWindowLayer(sliding_window=window), DynamicSlidingWindowLayer(sliding_window=window)
+    writes = []
+    plan = [("update", 40), ("update", 1), ("record", None), ("update", 2), ("crop", -1), ("update", 2), ("crop", 0)]
+    plan += [("update", 2), ("crop", -2), ("update", 1), ("update", 2), ("crop", -2), ("stop", None)]
+    plan += [("update", 1)] * 5
+    for op, n in plan:
+        if op == "record":
+            ours.activate_past_recording(), theirs.activate_past_recording()
+        elif op == "stop":
+            ours.record_past = theirs.record_past = False
+        elif op == "crop":
+            ours.crop(n), theirs.crop(n)
+        else:
+            k, v = torch.randn(2, 1, 2, n, 4)
+            buffer = getattr(ours, "_buffer", (None,))[0]
+            got, expected = ours.update(k, v), theirs.update(k, v)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)), (op, n)
+            writes.append(buffer is not None and ours._buffer[0] is buffer)
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values), (op, n)
+        assert ours.cumulative_length == theirs.cumulative_length
+    assert sum(writes[2:]) >= 6  # the steps and checks after the first wrote into one buffer

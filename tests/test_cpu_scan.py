@@ -129,6 +129,38 @@ def test_threads_split_channels_without_changing_results(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("seq_len", [2, 9, 16])
+def test_a_recording_forward_keeps_every_state_in_one_call_with_the_one_token_steps_numbers(seq_len, monkeypatch):
+    """A check of drafted tokens keeps the state after each token (for `crop`): on a CPU one call of the C scan keeps
+    them all (`selective_scan_cpu_states`), where it ran one call per token. Each state and output equals, bit for
+    bit, what one-token steps from the state before give (what plain decoding computes), and the float64
+    recurrence to float32 rounding."""
+    x = inputs(seq_len=seq_len)
+    per_token = {name: x[name] for name in ("u", "dt", "B", "C", "z")}
+    calls = []
+    states_call = cpu_kernels_samba._cpu_scan_library().samba_scan_forward_states
+    monkeypatch.setattr(
+        cpu_kernels_samba._cpu_scan_library(),
+        "samba_scan_forward_states",
+        lambda *a: calls.append(1) or states_call(*a),
+        raising=False,
+    )
+    with torch.no_grad():
+        y, last, states = ssm_samba.scan_keeping_states(
+            ssm_samba.selective_scan, x["h0"], per_token, A=x["A"], D=x["D"], kernel="auto"
+        )
+        assert len(calls) == 1 and len(states) == seq_len
+        h = x["h0"]
+        for t in range(seq_len):
+            step = {name: value[:, t : t + 1] for name, value in per_token.items()}
+            y_t, h = ssm_samba.selective_scan(**step, A=x["A"], D=x["D"], h0=h)
+            assert torch.equal(y[:, t : t + 1], y_t) and torch.equal(states[t], h), t
+    assert torch.equal(last, h)
+    expected_y, expected_h = float64_recurrence(**x)
+    torch.testing.assert_close(y.double(), expected_y, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last.double(), expected_h, rtol=1e-4, atol=1e-4)
+
+
 def test_zero_step_leaves_the_state_exactly_as_it_was():
     """Padding: dt = 0 neither decays nor feeds the state, bit for bit, so a padded row ends where it started."""
     x = inputs(seq_len=20)

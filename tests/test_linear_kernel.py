@@ -12,7 +12,7 @@ from torch import nn
 
 from samba_hf import cpu_kernels_samba, linear_samba
 from samba_hf.cpu_kernels_samba import MAX_TOKENS
-from samba_hf.linear_samba import SambaLinear
+from samba_hf.linear_samba import KERNEL_TOKENS, SambaLinear
 
 requires_kernel = pytest.mark.skipif(
     not cpu_kernels_samba.gemv_available(), reason="no AVX-512 or no C compiler: nn.Linear runs everywhere"
@@ -48,6 +48,66 @@ def test_the_kernel_equals_a_float64_product(dtype, shape, bias, monkeypatch):
 
 
 KERNEL = cpu_kernels_samba.gemv_cpu
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checking_up_to_16_tokens_reads_the_weight_once_with_a_one_token_products_numbers(dtype, monkeypatch):
+    """Drafts are checked as a product of a few tokens (8 drafts and the current one: 9): every count from 1 to
+    MAX_TOKENS (token groups of 8 and a part, rows in blocks of 3 and a part: 37 rows), on one thread and on several,
+    gives each token exactly what a product of that token alone gives, within float32 rounding of a float64 product."""
+    torch.manual_seed(0)
+    weight = torch.randn(37, 100).to(dtype)
+    bias = torch.randn(37).to(dtype)
+    library = cpu_kernels_samba._gemv_library()
+    for tokens in range(1, MAX_TOKENS + 1):
+        x = torch.randn(tokens, 100).to(dtype)
+        alone = torch.cat([KERNEL(x[m : m + 1], weight, bias) for m in range(tokens)])
+        for threaded in (False, True):
+            monkeypatch.setattr(library, "threaded", threaded)
+            assert torch.equal(KERNEL(x, weight, bias), alone), (tokens, threaded)
+        expected = nn.functional.linear(x.double(), weight.double(), bias.double())
+        rtol = 1e-5 if dtype == torch.float32 else 2**-8
+        torch.testing.assert_close(alone.double(), expected, rtol=rtol, atol=1e-5 * expected.abs().max().item())
+
+
+@requires_kernel
+def test_the_kernel_splits_a_large_weight_over_torchs_threads_with_the_same_numbers(monkeypatch):
+    """A weight past MIN_PARALLEL (2^16 values) is split over torch.get_num_threads() threads of torch's own OpenMP
+    pool (the library binds to the libgomp torch loaded, with sentencepiece's own libgomp loaded beside it);
+    1 thread or several, the same numbers."""
+    import sentencepiece  # noqa: F401  (its wheel carries a second libgomp, under another name)
+
+    library = cpu_kernels_samba._gemv_library()
+    if not library.samba_gemv_has_openmp():
+        pytest.skip("the kernel was built without OpenMP here")
+    assert library.threaded and cpu_kernels_samba.gemv_threads() == torch.get_num_threads()
+    torch.manual_seed(1)
+    weight, x = torch.randn(1000, 300), torch.randn(9, 300)
+    threads = torch.get_num_threads()
+    results = []
+    for count in (1, 2, 3):
+        torch.set_num_threads(count)
+        try:
+            results.append(KERNEL(x, weight, None))
+        finally:
+            torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    torch.testing.assert_close(results[0].double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-4)
+
+
+@requires_kernel
+def test_bfloat16_products_of_more_than_8_tokens_take_pytorchs_product(monkeypatch):
+    """Past KERNEL_TOKENS[bfloat16] (8) oneDNN's bf16 product is as fast as the kernel, and PyTorch's runs."""
+    calls = []
+    monkeypatch.setattr(linear_samba, "gemv_cpu", lambda *a: calls.append(a[0].shape[0]) or KERNEL(*a))
+    layer = SambaLinear(32, 16)
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            layer = layer.to(dtype)
+            for tokens in (8, 9, 16):
+                layer(torch.randn(tokens, 32).to(dtype))
+    assert calls == [8, 9, 16, 8] and KERNEL_TOKENS[torch.bfloat16] == 8
 
 
 @requires_kernel
@@ -124,3 +184,33 @@ def test_the_environment_variable_turns_the_kernel_off():
         env={**os.environ, "SAMBA_HF_GEMV": "pytorch"},
     )
     assert result.returncode == 0 and result.stdout.split() == ["True"], result.stderr
+
+
+def test_a_torchao_int8_model_generates_through_pytorchs_products_and_agrees_with_float32(monkeypatch):
+    """torchao's int8 weight-only weights (transformers' TorchAoConfig) are tensor subclasses that say float32: the C
+    kernel must never read them (it crashed the process reading their storage as floats). The embedded default,
+    quantized, generates; no quantized weight reaches the kernel; teacher-forced on float32's own greedy text (256
+    tokens), its top-1 token agrees with float32's at 99% of the positions or more."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    from samba_hf.cli import default_model_path
+
+    read = []
+    monkeypatch.setattr(linear_samba, "gemv_cpu", lambda x, w, b: read.append(type(w)) or KERNEL(x, w, b))
+    path = default_model_path()
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    int8 = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
+    ).eval()
+    quantized = [m for m in int8.modules() if isinstance(m, SambaLinear) and type(m.weight) is not nn.Parameter]
+    assert quantized, "torchao quantized no linear layer"
+    ids = torch.tensor([[1, 450, 496, 1735]])
+    with torch.no_grad():
+        text = full.generate(ids, max_new_tokens=256, min_new_tokens=256, do_sample=False, eos_token_id=None)
+        read.clear()
+        int8.generate(ids, max_new_tokens=8, do_sample=False)
+        assert all(kind in (nn.Parameter, torch.Tensor) for kind in read), set(read)
+        top = [model(text).logits[0, ids.shape[1] - 1 : -1].argmax(-1) for model in (full, int8)]
+    assert (top[0] == top[1]).float().mean() >= 0.99

@@ -475,3 +475,32 @@ def test_long_inputs_build_no_full_sliding_mask(monkeypatch):
     monkeypatch.setitem(modeling.MASK_BUILDERS, "sliding_attention", refuse)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_over_grouped_heads_under_a_mask_shares_them_with_transformers_numbers(dtype, monkeypatch):
+    """On a CPU, samba-hf's sdpa gives a masked call over grouped key/value heads (a check of drafted tokens over a
+    cache, an inference chunk) to torch with `enable_gqa` instead of copying the keys and values per query head as
+    transformers does (`repeat_kv`): exactly transformers' numbers, bool and additive masks, without the copy."""
+    from types import SimpleNamespace
+
+    from transformers.integrations import sdpa_attention
+
+    from samba_hf.attention_samba import ALL_ATTENTION_FUNCTIONS
+
+    copies = []
+    repeat_kv = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: copies.append(1) or repeat_kv(*a))
+    module = SimpleNamespace(num_key_value_groups=3, training=False, is_causal=True)
+    torch.manual_seed(0)
+    for queries, keys in ((9, 300), (16, 16), (2, 5)):
+        q = torch.randn(1, 6, queries, 32, dtype=dtype)
+        k, v = torch.randn(2, 1, 2, keys, 32, dtype=dtype)
+        allowed = torch.ones(1, 1, queries, keys, dtype=torch.bool).tril(keys - queries)
+        additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        for mask in (allowed, additive):
+            ours, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, mask, dropout=0.0, scaling=0.2)
+            assert not copies
+            expected, _ = sdpa_attention.sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.2)
+            assert copies and torch.equal(ours, expected), (queries, keys, mask.dtype)
+            copies.clear()

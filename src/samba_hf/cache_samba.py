@@ -71,32 +71,54 @@ class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
     move back to the front: one copy of the window every `window_slack` steps instead of one per step, for 1/16 of
     the window more memory. The buffer is allocated whole at the first decoding step (as a static cache's), which
     also lets go of the prompt's keys and values that transformers' layer keeps a view of. Whatever replaced `keys` /
-    `values` meanwhile (beam reordering, cropping, batch selection) is taken as the new contents. A step of more new
-    positions than the slack (a prompt, a long chunk), and assisted decoding's recorded past, go through
-    transformers' path."""
+    `values` meanwhile (beam reordering, cropping, batch selection) is taken as the new contents. While assisted
+    decoding records, a check of drafted tokens is written the same way and the layer keeps every position until
+    `crop`, as transformers' layer does (its `crop` then runs on the views, and the layer reads back where they
+    are). A step of more new positions than the slack (a prompt, a long chunk), or recorded positions that outgrow
+    the buffer, go through transformers' path."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new = key_states.shape[-2]
-        if not self.is_initialized or self.record_past or new > window_slack(self.sliding_window):
+        if not self.is_initialized or new > window_slack(self.sliding_window):
             return super().update(key_states, value_states, *args, **kwargs)
-        kept = getattr(self, "_kept", (None, None))
-        if self.keys is not kept[0] or self.values is not kept[1]:  # first step, or replaced from outside
+        if not self._in_place():  # first step, or replaced from outside
+            if self.keys.shape[-2] + new > self.sliding_window - 1 + window_slack(self.sliding_window):
+                return super().update(key_states, value_states, *args, **kwargs)  # (recorded, not yet cropped)
             self._seed()
         keys, values = self._buffer  # (batch, heads, sliding_window - 1 + slack, head_dim)
         if self._end + new > keys.shape[-2]:  # the room is used up: move the kept positions to the front
             kept = self._end - self._start
+            if kept + new > keys.shape[-2]:  # recorded positions fill the buffer: transformers' path
+                return super().update(key_states, value_states, *args, **kwargs)
             keys[..., :kept, :] = keys[..., self._start : self._end, :].clone()
             values[..., :kept, :] = values[..., self._start : self._end, :].clone()
             self._start, self._end = 0, kept
         keys[..., self._end : self._end + new, :] = key_states
         values[..., self._end : self._end + new, :] = value_states
-        visible = (keys[..., self._start : self._end + new, :], values[..., self._start : self._end + new, :])
+        first = max(self._start, self._end - (self.sliding_window - 1))  # the window before the new positions
+        visible = (keys[..., first : self._end + new, :], values[..., first : self._end + new, :])
         self._end += new
-        self._start = max(self._start, self._end - (self.sliding_window - 1))
+        if not self.record_past:  # (recording keeps every position until `crop`)
+            self._start = max(self._start, self._end - (self.sliding_window - 1))
         self.keys, self.values = keys[..., self._start : self._end, :], values[..., self._start : self._end, :]
         self._kept = (self.keys, self.values)
         self.cumulative_length += new
         return visible
+
+    def crop(self, tokens_to_remove: int):
+        """transformers' crop, on the views of the buffer where the layer is written in place."""
+        in_place = self._in_place()
+        super().crop(tokens_to_remove)
+        buffer = self._buffer[0] if in_place else None
+        if in_place and self.keys.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+            self._start = (self.keys.storage_offset() - buffer.storage_offset()) // buffer.stride(-2)
+            self._end = self._start + self.keys.shape[-2]
+            self._kept = (self.keys, self.values)
+
+    def _in_place(self) -> bool:
+        """Whether `keys` / `values` are still the views of the buffer this layer last wrote."""
+        kept = getattr(self, "_kept", (None, None))
+        return self.is_initialized and self.keys is kept[0] and self.values is kept[1]
 
     def _seed(self):
         """A fresh buffer, `sliding_window - 1 + window_slack` positions long, holding the current `keys` / `values`

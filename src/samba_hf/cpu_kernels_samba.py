@@ -7,14 +7,18 @@ token. Its backward recomputes the states from the ones the forward keeps every 
 `ssm_samba.selective_scan` calls it on CPU tensors; where it cannot be built, or with `SAMBA_HF_SCAN=pytorch`, the
 PyTorch scan runs instead.
 
-The matrix-vector product (`gemv_cpu`, which `linear_samba.SambaLinear` calls on 1 to `MAX_TOKENS` tokens): a
-decoding step multiplies every weight matrix by one token's activations, reading each weight once, so its speed is
-the speed at which the weights stream from memory, which PyTorch's CPU matrix product of so few rows falls well
+The matrix-vector product (`gemv_cpu`, which `linear_samba.SambaLinear` calls on 1 to `MAX_TOKENS` tokens: a
+decoding step, or the check of a few drafted tokens): such a product reads each weight once for a few tokens, so its
+speed is the speed at which the weights stream from memory, which PyTorch's CPU matrix product of so few rows falls
 short of. The kernel walks the weight's rows in storage order (W is (out, in), row-major: a row is one output's dot
-product) with AVX-512 FMAs (float32) or AVX512-BF16 dot products (bfloat16 weights; converted to float32 on AVX-512
-CPUs without them), accumulating in float32, on the calling thread: a second thread of its own would compete with
-PyTorch's OpenMP threads, which keep spinning for a while after each of PyTorch's operations. Without AVX-512 it is
-not used (PyTorch's product is as good as plain C there); `SAMBA_HF_GEMV=pytorch` turns it off.
+products) with AVX-512 FMAs (float32) or AVX512-BF16 dot products (bfloat16 weights; converted to float32 on AVX-512
+CPUs without them), accumulating in float32. The rows are split over `torch.get_num_threads()` threads of PyTorch's
+own OpenMP pool: the library is built with -fopenmp, so it binds to the libgomp that torch has already loaded (one
+pool, no second set of threads competing with torch's spinning ones); where it was built without OpenMP, or bound
+to another OpenMP runtime than torch's, it runs on the calling thread alone (a single thread streams far less
+than a CPU's bandwidth on many server CPUs). Each row is one thread's, so the numbers do not depend on the thread
+count. Without AVX-512 it is not used (PyTorch's product is as good as plain C there); `SAMBA_HF_GEMV=pytorch` turns
+it off.
 
 `load_c_library` / `build_c_library` compile a source with the system's C compiler (`cc`, or `$CC`) into
 `~/.cache/samba_hf` (`$SAMBA_HF_CACHE`) and load it. Under `torch.compile` the kernels are the operators
@@ -42,7 +46,7 @@ from .kernels_samba import run_kernel
 logger = logging.get_logger(__name__)
 
 _CPU_SCAN_SEGMENT = 64  # SEGMENT in the scan's source below: the forward keeps the state every this many steps
-MAX_TOKENS = 8  # MAXM in the product's source below: the kernel keeps this many running sums per output row
+MAX_TOKENS = 16  # MAXM in the product's source below: the kernel keeps this many running sums per output row
 _CPU_SCAN = None  # the loaded scan library, or False once building or loading it failed
 _CPU_GEMV = None  # the loaded product library, or False once building or loading it failed
 
@@ -90,6 +94,7 @@ typedef struct {
     float *h, *y, *checkpoints; /* checkpoints (batch, segments, D, N): the state before steps 0, SEGMENT, ... */
     float *grad_u, *grad_dt, *grad_A, *grad_B, *grad_C, *grad_D, *grad_z, *grad_h0;
     int d_begin, d_end, failed;
+    float *states; /* states (batch, T, D, N), or NULL: the state after every step */
 } Task;
 
 /* one block's inputs at step t, zero past the last channel (dt = 0 leaves a padded lane's state at 0) */
@@ -152,6 +157,9 @@ static void forward_block(const Task *a, int b, int d0, float *At, float *h) {
             if (a->z) y *= a->z[at + c] * sigmoid(a->z[at + c]);
             a->y[at + c] = y;
         }
+        if (a->states)
+            for (int n = 0; n < N; n++)
+                for (int c = 0; c < W; c++) a->states[(row * D + d0 + c) * N + n] = h[n * CH + c];
     }
     for (int n = 0; n < N; n++)
         for (int c = 0; c < W; c++) a->h[((size_t)b * D + d0 + c) * N + n] = h[n * CH + c];
@@ -295,6 +303,17 @@ int samba_scan_forward(int threads, int batch, int T, int D, int N, const float 
     return run(threads, &t);
 }
 
+/* The forward, also writing the state after every step into states (batch, T, D, N): what a recording forward (a
+   check of drafted tokens) keeps to go back to any of them. Each step's numbers are those of a scan of that token
+   alone from the previous state. */
+int samba_scan_forward_states(int threads, int batch, int T, int D, int N, const float *u, const float *dt,
+                              const float *A, const float *B, const float *C, const float *Dskip, const float *z,
+                              float *h, float *y, float *states) {
+    Task t = {batch, T, D, N, u, dt, A, B, C, Dskip, z, NULL, NULL, h, y, NULL};
+    t.states = states;
+    return run(threads, &t);
+}
+
 /* checkpoints: as the forward wrote them. grad_A, grad_D, grad_B, grad_C must come zeroed; grad_B and grad_C are
    (threads, batch, T, N), to be summed over the first dimension. grad_h_last may be NULL. Returns nonzero when
    memory ran out. */
@@ -310,14 +329,25 @@ int samba_scan_backward(int threads, int batch, int T, int D, int N, const float
 
 _CPU_GEMV_SOURCE = r"""
 /* y (M, out) = x (M, in) W^T (+ bias): W (out, in) row-major, float32 or bfloat16 (uint16 storage); x, bias, y
-   float32, C-contiguous; M <= 8. Each output row's M dot products read the row once. */
+   float32, C-contiguous; M <= 16. The weight is read once: rows go in blocks of ROWS, and each block's rows are
+   multiplied by the tokens in groups of at most GROUP while they are in cache, so that each chunk of x loaded is
+   used for ROWS rows (ROWS x GROUP running sums in registers). The rows are split over `threads` threads of the
+   OpenMP runtime PyTorch runs on (where built with -fopenmp). Every output's dot product is summed in the same order
+   whatever M, the block and the thread count: the numbers of a one-token product. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
-#define MAXM 8
+#define MAXM 16
+#define ROWS 3
+#define GROUP 8
+#define MIN_PARALLEL (1L << 16) /* weights (out x in) below this are multiplied on the calling thread */
 
 static inline float bf16_to_float(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
@@ -329,68 +359,109 @@ static inline float bf16_to_float(uint16_t v) {
 typedef struct {
     const void *W;
     const float *x, *bias;
+    const uint16_t *xb; /* x rounded to bfloat16 (AVX512-BF16's dot products take both operands so), or NULL */
     float *y;
-    int M, in, out, o_begin, o_end, bf16;
+    int M, in, out, bf16;
 } Task;
 
-static void rows(const Task *t) {
-    const int M = t->M, in = t->in;
-    for (int o = t->o_begin; o < t->o_end; o++) {
-        float sum[MAXM];
+/* R rows from o, tokens m0 .. m0 + G - 1: R and G are constants where it is called, so the sums stay in registers */
+static inline __attribute__((always_inline)) void block(const Task *t, int o, int m0, const int R, const int G) {
+    const int in = t->in;
+    float sum[ROWS][GROUP];
+    int i = 0;
 #if defined(__AVX512F__)
-        __m512 acc[MAXM];
-        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    __m512 acc[ROWS][GROUP];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();
 #endif
-        int i = 0;
-        if (t->bf16) {
-            const uint16_t *w = (const uint16_t *)t->W + (size_t)o * in;
+    if (t->bf16) {
+        const uint16_t *w = (const uint16_t *)t->W + (size_t)o * in;
 #if defined(__AVX512BF16__)
-            for (; i + 32 <= in; i += 32) {
-                __m512bh wv = (__m512bh)_mm512_loadu_si512(w + i);
-                for (int m = 0; m < M; m++) {
-                    const float *x = t->x + (size_t)m * in + i;
-                    __m512bh xv = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
-                    acc[m] = _mm512_dpbf16_ps(acc[m], wv, xv);
-                }
-            }
-#elif defined(__AVX512F__)
-            for (; i + 16 <= in; i += 16) {
-                __m512i wide = _mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + i))), 16);
-                __m512 wv = _mm512_castsi512_ps(wide);
-                for (int m = 0; m < M; m++)
-                    acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(t->x + (size_t)m * in + i), acc[m]);
-            }
-#endif
-            for (int m = 0; m < M; m++) {
-#if defined(__AVX512F__)
-                sum[m] = _mm512_reduce_add_ps(acc[m]);
-#else
-                sum[m] = 0.0f;
-#endif
-                const float *x = t->x + (size_t)m * in;
-                for (int j = i; j < in; j++) sum[m] += bf16_to_float(w[j]) * x[j];
-            }
-        } else {
-            const float *w = (const float *)t->W + (size_t)o * in;
-#if defined(__AVX512F__)
-            for (; i + 16 <= in; i += 16) {
-                __m512 wv = _mm512_loadu_ps(w + i);
-                for (int m = 0; m < M; m++)
-                    acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(t->x + (size_t)m * in + i), acc[m]);
-            }
-#endif
-            for (int m = 0; m < M; m++) {
-#if defined(__AVX512F__)
-                sum[m] = _mm512_reduce_add_ps(acc[m]);
-#else
-                sum[m] = 0.0f;
-#endif
-                const float *x = t->x + (size_t)m * in;
-                for (int j = i; j < in; j++) sum[m] += w[j] * x[j];
+        for (; i + 32 <= in; i += 32) {
+            __m512bh wv[ROWS];
+            for (int r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w + (size_t)r * in + i);
+            for (int g = 0; g < G; g++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(t->xb + (size_t)(m0 + g) * in + i);
+                for (int r = 0; r < R; r++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], wv[r], xv);
             }
         }
-        for (int m = 0; m < M; m++) t->y[(size_t)m * t->out + o] = sum[m] + (t->bias ? t->bias[o] : 0.0f);
+#elif defined(__AVX512F__)
+        for (; i + 16 <= in; i += 16) {
+            __m512 wv[ROWS];
+            for (int r = 0; r < R; r++)
+                wv[r] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + (size_t)r * in + i))), 16));
+            for (int g = 0; g < G; g++) {
+                __m512 xv = _mm512_loadu_ps(t->x + (size_t)(m0 + g) * in + i);
+                for (int r = 0; r < R; r++) acc[r][g] = _mm512_fmadd_ps(wv[r], xv, acc[r][g]);
+            }
+        }
+#endif
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g++) {
+#if defined(__AVX512F__)
+                sum[r][g] = _mm512_reduce_add_ps(acc[r][g]);
+#else
+                sum[r][g] = 0.0f;
+#endif
+                const float *x = t->x + (size_t)(m0 + g) * in;
+                for (int j = i; j < in; j++) sum[r][g] += bf16_to_float(w[(size_t)r * in + j]) * x[j];
+            }
+    } else {
+        const float *w = (const float *)t->W + (size_t)o * in;
+#if defined(__AVX512F__)
+        for (; i + 16 <= in; i += 16) {
+            __m512 wv[ROWS];
+            for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + (size_t)r * in + i);
+            for (int g = 0; g < G; g++) {
+                __m512 xv = _mm512_loadu_ps(t->x + (size_t)(m0 + g) * in + i);
+                for (int r = 0; r < R; r++) acc[r][g] = _mm512_fmadd_ps(wv[r], xv, acc[r][g]);
+            }
+        }
+#endif
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g++) {
+#if defined(__AVX512F__)
+                sum[r][g] = _mm512_reduce_add_ps(acc[r][g]);
+#else
+                sum[r][g] = 0.0f;
+#endif
+                const float *x = t->x + (size_t)(m0 + g) * in;
+                for (int j = i; j < in; j++) sum[r][g] += w[(size_t)r * in + j] * x[j];
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++)
+            t->y[(size_t)(m0 + g) * t->out + o + r] = sum[r][g] + (t->bias ? t->bias[o + r] : 0.0f);
+}
+
+#define GROUPS(R)                                                                                                   \
+    static void block_##R(const Task *t, int o, int m0, int G) {                                                    \
+        switch (G) {                                                                                                \
+        case 1: block(t, o, m0, R, 1); break;                                                                       \
+        case 2: block(t, o, m0, R, 2); break;                                                                       \
+        case 3: block(t, o, m0, R, 3); break;                                                                       \
+        case 4: block(t, o, m0, R, 4); break;                                                                       \
+        case 5: block(t, o, m0, R, 5); break;                                                                       \
+        case 6: block(t, o, m0, R, 6); break;                                                                       \
+        case 7: block(t, o, m0, R, 7); break;                                                                       \
+        default: block(t, o, m0, R, 8); break;                                                                      \
+        }                                                                                                           \
+    }
+GROUPS(1)
+GROUPS(2)
+GROUPS(3)
+
+/* rows o_begin .. o_end - 1, every token */
+static void rows(const Task *t, int o_begin, int o_end) {
+    for (int o = o_begin; o < o_end; o += ROWS) {
+        const int R = o_end - o < ROWS ? o_end - o : ROWS;
+        for (int m0 = 0; m0 < t->M; m0 += GROUP) {
+            const int G = t->M - m0 < GROUP ? t->M - m0 : GROUP;
+            if (R == 3) block_3(t, o, m0, G);
+            else if (R == 2) block_2(t, o, m0, G);
+            else block_1(t, o, m0, G);
+        }
     }
 }
 
@@ -402,16 +473,57 @@ int samba_gemv_has_avx512(void) {
 #endif
 }
 
-int samba_gemv(int bf16, int M, int in, int out, const void *W, const float *x, const float *bias, float *y) {
+int samba_gemv_has_openmp(void) {
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int samba_gemv(int bf16, int M, int in, int out, const void *W, const float *x, const float *bias, float *y,
+               int threads) {
     if (M < 1 || M > MAXM) return 1;
-    Task task = {W, x, bias, y, M, in, out, 0, out, bf16};
-    rows(&task);
+    Task task = {W, x, bias, NULL, y, M, in, out, bf16};
+    uint16_t *xb = NULL;
+#if defined(__AVX512BF16__)
+    if (bf16) { /* x rounded to bfloat16 once, as each dot product would round it (to nearest, ties to even) */
+        xb = (uint16_t *)malloc(sizeof(uint16_t) * ((size_t)M * in + 32));
+        if (!xb) return 2;
+        size_t n = (size_t)M * in, k = 0;
+        for (; k + 32 <= n; k += 32)
+            _mm512_storeu_si512(xb + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16),
+                                                                     _mm512_loadu_ps(x + k)));
+        for (; k < n; k++) {
+            uint32_t bits;
+            memcpy(&bits, x + k, 4);
+            xb[k] = (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+        }
+        task.xb = xb;
+    }
+#endif
+#if defined(_OPENMP)
+    if (threads > 1 && (long)out * in >= MIN_PARALLEL) {
+        /* whole blocks of 16 rows (whole cache lines of y) split evenly, each row one thread's */
+        const int blocks = (out + 15) / 16;
+#pragma omp parallel num_threads(threads)
+        {
+            const int k = omp_get_thread_num(), n = omp_get_num_threads();
+            const int begin = (int)((long)blocks * k / n) * 16, end = (int)((long)blocks * (k + 1) / n) * 16;
+            rows(&task, begin, end < out ? end : out);
+        }
+        free(xb);
+        return 0;
+    }
+#endif
+    rows(&task, 0, out);
+    free(xb);
     return 0;
 }
 """
 
 
-def load_c_library(source_text: str, name: str, variable: str, what: str, fallback: str):
+def load_c_library(source_text: str, name: str, variable: str, what: str, fallback: str, openmp: bool = False):
     """The ctypes library built from `source_text` (`build_c_library`), or None: where `$variable` is "pytorch",
     or where it cannot be built or loaded (said once: `what` is unavailable, using `fallback`)."""
     choice = os.environ.get(variable, "").lower()
@@ -420,16 +532,17 @@ def load_c_library(source_text: str, name: str, variable: str, what: str, fallba
     if choice not in ("", "compiled"):
         logger.warning_once(f"samba-hf: {variable}={choice!r} is not 'compiled' or 'pytorch'; using {what}")
     try:
-        return ctypes.CDLL(build_c_library(source_text, name))
+        return ctypes.CDLL(build_c_library(source_text, name, openmp))
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         logger.warning_once(f"samba-hf: {what} is unavailable ({error}); using {fallback}")
         return None
 
 
-def build_c_library(source_text: str, name: str) -> str:
+def build_c_library(source_text: str, name: str, openmp: bool = False) -> str:
     """Compile a C source for this machine, once: the library's path in the cache. The name hashes the source,
     the compiler and the CPU, so a cache shared between machines never hands one a library built for another; the
-    file is written under a temporary name and renamed, so concurrent builds never load a half-written one."""
+    file is written under a temporary name and renamed, so concurrent builds never load a half-written one.
+    openmp: with -fopenmp where the compiler takes it (else without)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC)")
@@ -453,7 +566,10 @@ def build_c_library(source_text: str, name: str) -> str:
             f.write(source_text)
         base = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
         errors = []
-        for flags in (["-march=native", *base], base):  # a compiler without -march=native still gets a build
+        tries = [["-march=native", *base], base]  # a compiler without -march=native still gets a build
+        if openmp:
+            tries.insert(0, ["-march=native", "-fopenmp", *base])
+        for flags in tries:
             result = subprocess.run(
                 [compiler, *flags, source, "-o", os.path.join(build, f"{name}.so"), "-lpthread"],
                 capture_output=True,
@@ -482,7 +598,9 @@ def _cpu_scan_library():
         library.samba_scan_forward.argtypes = sizes + [ctypes.c_void_p] * 10  # u dt A B C D z h y checkpoints
         # u..z, checkpoints, grad_y, grad_h, then the 8 gradients
         library.samba_scan_backward.argtypes = sizes + [ctypes.c_void_p] * 18
+        library.samba_scan_forward_states.argtypes = sizes + [ctypes.c_void_p] * 10  # u dt A B C D z h y states
         library.samba_scan_forward.restype = library.samba_scan_backward.restype = ctypes.c_int
+        library.samba_scan_forward_states.restype = ctypes.c_int
         _CPU_SCAN = library
     return _CPU_SCAN or None
 
@@ -520,6 +638,28 @@ def _cpu_scan_forward(u, dt, A, B, C, D, z, h0, keep_checkpoints=False):
     if failed:
         raise MemoryError("samba-hf: out of memory in the CPU scan")
     return (y, h, checkpoints) if keep_checkpoints else (y, h)
+
+
+def selective_scan_cpu_states(u, dt, A, B, C, D=None, z=None, h0=None):
+    """The compiled scan, inference only, also giving the state after every token: y, the last state and the states
+    (batch, seq, d_inner, d_state), each token's numbers those of a scan of that token alone from the state before
+    (what a recording forward keeps for `crop`, in one call instead of one per token)."""
+    u, dt, A, B, C, D, z, h0 = (None if x is None else x.float().contiguous() for x in (u, dt, A, B, C, D, z, h0))
+    (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
+    h = u.new_zeros(batch, d_inner, d_state) if h0 is None else h0.clone()
+    y = torch.empty_like(u)
+    states = u.new_empty(batch, seq_len, d_inner, d_state)
+    failed = _cpu_scan_library().samba_scan_forward_states(
+        _scan_threads(batch, seq_len, d_inner, d_state),
+        batch,
+        seq_len,
+        d_inner,
+        d_state,
+        *map(_pointer, (u, dt, A, B, C, D, z, h, y, states)),
+    )
+    if failed:
+        raise MemoryError("samba-hf: out of memory in the CPU scan")
+    return y, h, states
 
 
 def _cpu_scan_backward(u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h, D_given=True, z_given=True):
@@ -574,16 +714,38 @@ def _gemv_library():
     if _CPU_GEMV is None:
         _CPU_GEMV = False
         library = load_c_library(
-            _CPU_GEMV_SOURCE, "gemv", "SAMBA_HF_GEMV", "the CPU matrix-vector kernel", "nn.Linear"
+            _CPU_GEMV_SOURCE, "gemv", "SAMBA_HF_GEMV", "the CPU matrix-vector kernel", "nn.Linear", openmp=True
         )
         if library is None:
             return None
         if not library.samba_gemv_has_avx512():  # PyTorch's product is as good as plain C there
             return None
-        library.samba_gemv.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4
+        library.samba_gemv.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
         library.samba_gemv.restype = ctypes.c_int
+        library.threaded = bool(library.samba_gemv_has_openmp()) and _shares_torchs_openmp(library)
         _CPU_GEMV = library
     return _CPU_GEMV or None
+
+
+def _shares_torchs_openmp(library) -> bool:
+    """Whether the kernel's library runs on the OpenMP runtime torch's own operators run on (the one its -fopenmp
+    build binds to by name, where torch has loaded it first): an OpenMP function looked up from the library and from
+    libtorch_cpu resolve to the same code. Other runtimes may be loaded too (sentencepiece's wheel carries its own
+    libgomp under another name); what matters is that the kernel's threads are torch's. False where this cannot be
+    told (no libtorch_cpu.so: not Linux), and the kernel stays on the calling thread."""
+    try:
+        torch_library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        ours = ctypes.cast(library.omp_get_max_threads, ctypes.c_void_p).value
+        return ours is not None and ours == ctypes.cast(torch_library.omp_get_max_threads, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return False
+
+
+def gemv_threads() -> int:
+    """The threads the matrix-vector kernel splits its rows over: PyTorch's intra-op threads where the kernel shares
+    their OpenMP pool, else 1."""
+    library = _gemv_library()
+    return torch.get_num_threads() if library is not None and library.threaded else 1
 
 
 @torch.compiler.assume_constant_result  # under torch.compile: asked once while tracing, not traced into
@@ -607,6 +769,7 @@ def gemv_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
         ctypes.c_void_p(rows.data_ptr()),
         None if bias is None else ctypes.c_void_p(bias.data_ptr()),
         ctypes.c_void_p(y.data_ptr()),
+        gemv_threads(),
     )
     if failed:
         raise RuntimeError("samba-hf: the CPU matrix-vector kernel refused its arguments")

@@ -2,7 +2,7 @@
 
 A decoding step multiplies every weight matrix by one token's activations, so its speed is the speed at which the
 weights stream from memory; the kernel streams them faster than PyTorch's CPU matrix product does for so few rows. It
-runs when: a CPU with AVX-512, inference (no gradient wanted), 1 to `MAX_TOKENS` tokens, plain float32 or bfloat16
+runs when: a CPU with AVX-512, inference (no gradient wanted), 1 to `KERNEL_TOKENS` tokens, plain float32 or bfloat16
 weights (no tensor subclass, such as a quantized weight) and input of the same dtype, the C library built, and the
 kernel switch's "linear" choice (`kernel`, set by the model) is "auto" or "samba" (`kernels_samba`). Everything
 else, and `SAMBA_HF_GEMV=pytorch`, calls `nn.Linear.forward`. Under `torch.compile` it is the operator
@@ -20,10 +20,15 @@ from .kernels_samba import run_kernel
 
 logger = logging.get_logger(__name__)
 
+# Tokens a product takes the kernel for, by the weight's dtype: up to MAX_TOKENS in float32, where it reads the
+# weights faster than PyTorch's product at every count; up to 8 in bfloat16, past which oneDNN's bf16 product is as
+# fast (docs/speed.md, "Checking drafts").
+KERNEL_TOKENS = {torch.float32: MAX_TOKENS, torch.bfloat16: 8}
+
 
 class SambaLinear(nn.Linear):
     """`nn.Linear` (same parameters, state dict and behaviour; adapters wrap it as they wrap nn.Linear) whose
-    inference on at most `MAX_TOKENS` tokens on CPU runs the C kernel (`cpu_kernels_samba.gemv_cpu`)."""
+    inference on at most `KERNEL_TOKENS` tokens on CPU runs the C kernel (`cpu_kernels_samba.gemv_cpu`)."""
 
     kernel = "auto"  # the kernel switch's choice for the linear layers (`choose_kernels`)
 
@@ -37,8 +42,8 @@ class SambaLinear(nn.Linear):
             and x.device.type == "cpu"
             and type(weight) in (nn.Parameter, torch.Tensor)  # a quantized weight is a subclass: never read as floats
             and x.dtype == weight.dtype
-            and weight.dtype in (torch.float32, torch.bfloat16)
-            and 0 < x.numel() <= MAX_TOKENS * self.in_features
+            and weight.dtype in KERNEL_TOKENS
+            and 0 < x.numel() <= KERNEL_TOKENS[weight.dtype] * self.in_features
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         ):
             if gemv_available():  # inference only: no autograd function

@@ -63,7 +63,7 @@ from .configuration_samba import SambaConfig
 from .hub_samba import save_folder
 from .kernels_samba import resolve_kernel_implementation
 from .linear_samba import SambaLinear
-from .ssm_samba import causal_conv, check_kernel_implementation, scan_token_by_token, selective_scan, ssd_scan
+from .ssm_samba import causal_conv, check_kernel_implementation, scan_keeping_states, selective_scan, ssd_scan
 from .validation_samba import check_inputs
 
 logger = logging.get_logger(__name__)
@@ -310,13 +310,13 @@ class SambaStateSpaceMixer(nn.Module):
     def scan(self, scan: Callable, state, cache: Cache | None, mask, per_token: dict, **fixed) -> torch.Tensor:
         """`scan` (`selective_scan` or `ssd_scan`) over `per_token` (its arguments with a sequence dimension; a
         padded position's step `dt` is zeroed, so it neither decays nor feeds the state) from `state`, the last
-        state written to the cache; while the cache records, token by token, each token's state kept for `crop`.
-        Returns y."""
+        state written to the cache; while the cache records, each token's state kept for `crop`
+        (`scan_keeping_states`). Returns y."""
         if mask is not None:
             per_token["dt"] = per_token["dt"] * mask  # dt (batch, seq, channels or heads), mask (batch, seq, 1)
         fixed["kernel"] = self.scan_kernel
         if cache is not None and cache.is_recording_past(self.layer_idx):
-            y, state, states = scan_token_by_token(scan, state, per_token, **fixed)
+            y, state, states = scan_keeping_states(scan, state, per_token, **fixed)
             record_states(cache, self.layer_idx, states)
         else:
             y, state = scan(**per_token, **fixed, h0=state)

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import logging
 
-from .cpu_kernels_samba import cpu_scan_available, selective_scan_cpu
+from .cpu_kernels_samba import cpu_scan_available, selective_scan_cpu, selective_scan_cpu_states
 from .kernels_samba import KERNEL_IMPLEMENTATIONS, resolve_kernel_implementation, wants_gradient
 
 logger = logging.get_logger(__name__)
@@ -379,9 +379,14 @@ def selective_scan(
             "the Mamba scan runs in PyTorch, a Python step per token (slow on a GPU)",
             _INSTALL_TRITON,
         )
-    elif u.device.type == "cpu" and cpu_scan_available():
+    elif _takes_cpu_scan(u, kernel):
         return selective_scan_cpu(u, dt, A, B, C, D, z, h0)
     return selective_scan_pytorch(u, dt, A, B, C, D, z, h0)
+
+
+def _takes_cpu_scan(u: torch.Tensor, kernel: str) -> bool:
+    """Whether `selective_scan` runs the compiled CPU scan for these inputs and choice of the kernel switch."""
+    return kernel != "pytorch" and u.device.type == "cpu" and cpu_scan_available()
 
 
 def selective_scan_pytorch(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -417,12 +422,22 @@ def selective_scan_pytorch(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[tor
     return y.to(u.dtype), h
 
 
-def scan_token_by_token(scan: Callable, h0: torch.Tensor | None, per_token: dict, **fixed):
-    """`scan` (`selective_scan` or `ssd_scan`) one token at a time, as decoding steps run it, keeping the state after
-    each token: what a recording forward (assisted generation's verification of a draft) hands its cache, to take the
-    layer back to any of those tokens. Every kernel path gives these states as its one-token case, and a draft's
-    tokens get the numbers plain decoding would. `per_token`: the arguments with a sequence dimension (dim 1; None
-    for an absent one). Returns y (the tokens' outputs, concatenated), the last state and the list of states."""
+def scan_keeping_states(scan: Callable, h0: torch.Tensor | None, per_token: dict, **fixed):
+    """`scan` (`selective_scan` or `ssd_scan`) keeping the state after each token: what a recording forward (assisted
+    generation's check of drafted tokens) hands its cache, to take the layer back to any of those tokens. Where
+    `selective_scan` runs the compiled CPU scan, one call of it keeps them all (inference); elsewhere the scan runs one
+    token at a time, as decoding steps run it. Either way each token gets the numbers of its one-token step, as plain
+    decoding would. `per_token`: the arguments with a sequence dimension (dim 1; None for an absent one). Returns y
+    (the tokens' outputs), the last state and the list of states."""
+    if (
+        scan is selective_scan
+        and _takes_cpu_scan(per_token["u"], fixed.get("kernel", "auto"))
+        and not compiling()
+        and not (torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in per_token.values()))
+    ):
+        options = {name: value for name, value in fixed.items() if name != "kernel"}
+        y, h, states = selective_scan_cpu_states(**per_token, **options, h0=h0)
+        return y.to(per_token["u"].dtype), h, list(states.unbind(1))
     length = next(value for value in per_token.values() if value is not None).shape[1]
     outputs, states = [], []
     for t in range(length):
