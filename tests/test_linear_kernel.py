@@ -191,7 +191,8 @@ def test_a_torchao_int8_model_generates_through_pytorchs_products_and_agrees_wit
     kernel must never read them (it crashed the process reading their storage as floats). The embedded default,
     quantized, generates; no quantized weight reaches the kernel; teacher-forced on float32's own greedy text (256
     tokens), its top-1 token agrees with float32's at 99% of the positions or more."""
-    pytest.importorskip("torchao")
+    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):  # (.ci/run sets it where it installs torchao: no skip there)
+        pytest.importorskip("torchao")
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import AutoModelForCausalLM, TorchAoConfig
 
