@@ -215,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N, mps")
     add_kernels_option(gen)
     gen.add_argument(
+        "--quantize",
+        default=None,
+        choices=["int8"],
+        help="int8: the linear layers' weights as int8 with a scale per row (torchao's int8 weight-only; pip install "
+        "'samba-hf[quantize]'), a quarter of float32's bytes; with float32 on a CPU with AVX-512, samba-hf's kernel "
+        "reads them (docs/speed.md)",
+    )
+    gen.add_argument(
         "--prefill-chunk-size",
         type=int,
         default=8192,

@@ -186,11 +186,12 @@ def test_the_environment_variable_turns_the_kernel_off():
     assert result.returncode == 0 and result.stdout.split() == ["True"], result.stderr
 
 
-def test_a_torchao_int8_model_generates_through_pytorchs_products_and_agrees_with_float32(monkeypatch):
+def test_a_torchao_int8_model_reads_its_int8_weights_in_the_kernel_and_agrees_with_float32(monkeypatch):
     """torchao's int8 weight-only weights (transformers' TorchAoConfig) are tensor subclasses that say float32: the C
-    kernel must never read them (it crashed the process reading their storage as floats). The embedded default,
-    quantized, generates; no quantized weight reaches the kernel; teacher-forced on float32's own greedy text (256
-    tokens), its top-1 token agrees with float32's at 99% of the positions or more."""
+    kernel must never read them as floats (it crashed the process so). The kernel reads their int8 values with one
+    scale per row instead. The embedded default, quantized, generates; every product the kernel takes gets a plain
+    tensor (the int8 values) and a scale; teacher-forced on float32's own greedy text (256 tokens), the top-1 token
+    agrees with float32's at 99% of the positions or more."""
     if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):  # (.ci/run sets it where it installs torchao: no skip there)
         pytest.importorskip("torchao")
     from torchao.quantization import Int8WeightOnlyConfig
@@ -199,7 +200,12 @@ def test_a_torchao_int8_model_generates_through_pytorchs_products_and_agrees_wit
     from samba_hf.cli import default_model_path
 
     read = []
-    monkeypatch.setattr(linear_samba, "gemv_cpu", lambda x, w, b: read.append(type(w)) or KERNEL(x, w, b))
+
+    def counted(x, weight, bias, scale=None):
+        read.append((type(weight), weight.dtype, scale is not None))
+        return KERNEL(x, weight, bias, scale)
+
+    monkeypatch.setattr(linear_samba, "gemv_cpu", counted)
     path = default_model_path()
     full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     int8 = AutoModelForCausalLM.from_pretrained(
@@ -212,6 +218,59 @@ def test_a_torchao_int8_model_generates_through_pytorchs_products_and_agrees_wit
         text = full.generate(ids, max_new_tokens=256, min_new_tokens=256, do_sample=False, eos_token_id=None)
         read.clear()
         int8.generate(ids, max_new_tokens=8, do_sample=False)
-        assert all(kind in (nn.Parameter, torch.Tensor) for kind in read), set(read)
+        assert read and all(kind in (nn.Parameter, torch.Tensor) for kind, _, _ in read), set(read)
+        assert (torch.Tensor, torch.int8, True) in read  # the int8 values, with their scales
         top = [model(text).logits[0, ids.shape[1] - 1 : -1].argmax(-1) for model in (full, int8)]
     assert (top[0] == top[1]).float().mean() >= 0.99
+
+
+@requires_kernel
+def test_the_kernel_on_torchao_int8_weights_equals_a_float64_product_of_them():
+    """1 to 16 tokens, rows in blocks of 3 and a part, a tail past whole blocks of 16 values: within float32
+    rounding of float64's product of scale * q."""
+    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):
+        pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    layer = nn.Sequential(SambaLinear(100, 37))
+    quantize_(layer, Int8WeightOnlyConfig())
+    q, scale = layer[0].weight.qdata, layer[0].weight.scale.reshape(-1)
+    expected_weight = q.double() * scale.double()[:, None]
+    for tokens in range(1, MAX_TOKENS + 1):
+        x = torch.randn(tokens, 100)
+        with torch.no_grad():
+            y = layer(x)
+        expected = x.double() @ expected_weight.T + layer[0].bias.double()
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_generate_quantize_int8_without_torchao_says_so_in_one_line(capsys, monkeypatch):
+    """`samba-hf generate --quantize int8` where torchao is not installed: one line naming what to install."""
+    from test_cli import one_line_error
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # (`import torchao` raises ImportError)
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)
+    argv = ["generate", "Samba is", "--max-new-tokens", "4", "--quantize", "int8"]
+    one_line_error(capsys, argv, "--quantize int8 needs torchao", "pip install 'samba-hf[quantize]'")
+
+
+@requires_kernel
+def test_generate_quantize_int8_with_torchao_generates_from_int8_weights(capsys, monkeypatch):
+    """With torchao: every samba-hf linear layer of the embedded default is quantized (the output layer is not), the
+    kernel reads their int8 values, and the text is float32's for its first tokens (the 99% teacher-forced agreement
+    is tested above)."""
+    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):
+        pytest.importorskip("torchao")
+    from samba_hf_cli import main
+
+    scales = []
+    monkeypatch.setattr(
+        linear_samba, "gemv_cpu", lambda x, w, b, s=None: scales.append(s is not None) or KERNEL(x, w, b, s)
+    )
+    argv = ["generate", "Samba is a hybrid model that", "--max-new-tokens", "6", "--dtype", "float32"]
+    assert main(argv) == 0
+    full = capsys.readouterr().out
+    assert main([*argv, "--quantize", "int8"]) == 0
+    int8 = capsys.readouterr().out
+    assert any(scales) and int8.split()[:8] == full.split()[:8]

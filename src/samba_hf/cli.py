@@ -202,6 +202,18 @@ def load(
     return tokenizer, model
 
 
+def quantize_int8(model):
+    """--quantize int8: every samba-hf linear layer's weight as torchao's int8 weight-only weight (int8 values and a
+    float32 scale per row); the embeddings and the output layer stay as loaded."""
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        raise UserError("--quantize int8 needs torchao: pip install 'samba-hf[quantize]' (or pip install torchao)")
+    from .linear_samba import SambaLinear
+
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, name: isinstance(module, SambaLinear))
+
+
 def _folder_model_type(path: str) -> str | None:
     import json
 
@@ -271,6 +283,8 @@ def generate(args) -> int:
     device = resolve_device(args.device)
     dtype = chosen_dtype(args.dtype, device)
     tokenizer, model = load(args.model, args.tokenizer, device, dtype, kernels=args.kernels)
+    if args.quantize:
+        quantize_int8(model)
     if args.model is None:
         print(f"samba-hf: {DEFAULT_MODEL_NOTE}", file=sys.stderr)
 

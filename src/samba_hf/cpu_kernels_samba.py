@@ -328,10 +328,11 @@ int samba_scan_backward(int threads, int batch, int T, int D, int N, const float
 """
 
 _CPU_GEMV_SOURCE = r"""
-/* y (M, out) = x (M, in) W^T (+ bias): W (out, in) row-major, float32 or bfloat16 (uint16 storage); x, bias, y
-   float32, C-contiguous; M <= 16. The weight is read once: rows go in blocks of ROWS, and each block's rows are
-   multiplied by the tokens in groups of at most GROUP while they are in cache, so that each chunk of x loaded is
-   used for ROWS rows (ROWS x GROUP running sums in registers). The rows are split over `threads` threads of the
+/* y (M, out) = x (M, in) W^T (+ bias): W (out, in) row-major, float32, bfloat16 (uint16 storage) or int8 with a
+   float32 scale per row (W = scale * q: int8 weight-only quantization); x, bias, y float32, C-contiguous; M <= 16.
+   The weight is read once: rows go in blocks of ROWS, and each block's rows are multiplied by the tokens in groups
+   of at most GROUP while they are in cache, so that each chunk of x loaded is used for ROWS rows (ROWS x GROUP
+   running sums in registers). The rows are split over `threads` threads of the
    OpenMP runtime PyTorch runs on (where built with -fopenmp). Every output's dot product is summed in the same order
    whatever M, the block and the thread count: the numbers of a one-token product. */
 #include <stdint.h>
@@ -356,12 +357,14 @@ static inline float bf16_to_float(uint16_t v) {
     return f;
 }
 
+enum { FLOAT32 = 0, BFLOAT16 = 1, INT8 = 2 }; /* the weight's storage */
+
 typedef struct {
     const void *W;
-    const float *x, *bias;
+    const float *x, *bias, *scale; /* scale: int8 weights' per row, else NULL */
     const uint16_t *xb; /* x rounded to bfloat16 (AVX512-BF16's dot products take both operands so), or NULL */
     float *y;
-    int M, in, out, bf16;
+    int M, in, out, kind;
 } Task;
 
 /* R rows from o, tokens m0 .. m0 + G - 1: R and G are constants where it is called, so the sums stay in registers */
@@ -374,7 +377,32 @@ static inline __attribute__((always_inline)) void block(const Task *t, int o, in
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();
 #endif
-    if (t->bf16) {
+    if (t->kind == INT8) {
+        const int8_t *w = (const int8_t *)t->W + (size_t)o * in;
+#if defined(__AVX512F__)
+        for (; i + 16 <= in; i += 16) {
+            __m512 wv[ROWS];
+            for (int r = 0; r < R; r++)
+                wv[r] = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + (size_t)r * in + i))));
+            for (int g = 0; g < G; g++) {
+                __m512 xv = _mm512_loadu_ps(t->x + (size_t)(m0 + g) * in + i);
+                for (int r = 0; r < R; r++) acc[r][g] = _mm512_fmadd_ps(wv[r], xv, acc[r][g]);
+            }
+        }
+#endif
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g++) {
+#if defined(__AVX512F__)
+                sum[r][g] = _mm512_reduce_add_ps(acc[r][g]);
+#else
+                sum[r][g] = 0.0f;
+#endif
+                const float *x = t->x + (size_t)(m0 + g) * in;
+                for (int j = i; j < in; j++) sum[r][g] += (float)w[(size_t)r * in + j] * x[j];
+                sum[r][g] *= t->scale[o + r];
+            }
+    } else if (t->kind == BFLOAT16) {
         const uint16_t *w = (const uint16_t *)t->W + (size_t)o * in;
 #if defined(__AVX512BF16__)
         for (; i + 32 <= in; i += 32) {
@@ -481,13 +509,13 @@ int samba_gemv_has_openmp(void) {
 #endif
 }
 
-int samba_gemv(int bf16, int M, int in, int out, const void *W, const float *x, const float *bias, float *y,
-               int threads) {
-    if (M < 1 || M > MAXM) return 1;
-    Task task = {W, x, bias, NULL, y, M, in, out, bf16};
+int samba_gemv(int kind, int M, int in, int out, const void *W, const float *x, const float *bias, float *y,
+               int threads, const float *scale) {
+    if (M < 1 || M > MAXM || (kind == INT8 && !scale)) return 1;
+    Task task = {W, x, bias, scale, NULL, y, M, in, out, kind};
     uint16_t *xb = NULL;
 #if defined(__AVX512BF16__)
-    if (bf16) { /* x rounded to bfloat16 once, as each dot product would round it (to nearest, ties to even) */
+    if (kind == BFLOAT16) { /* x rounded to bfloat16 once, as each dot product would (to nearest, ties to even) */
         xb = (uint16_t *)malloc(sizeof(uint16_t) * ((size_t)M * in + 32));
         if (!xb) return 2;
         size_t n = (size_t)M * in, k = 0;
@@ -720,7 +748,7 @@ def _gemv_library():
             return None
         if not library.samba_gemv_has_avx512():  # PyTorch's product is as good as plain C there
             return None
-        library.samba_gemv.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
+        library.samba_gemv.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p]
         library.samba_gemv.restype = ctypes.c_int
         library.threaded = bool(library.samba_gemv_has_openmp()) and _shares_torchs_openmp(library)
         _CPU_GEMV = library
@@ -753,15 +781,19 @@ def gemv_available() -> bool:
     return _gemv_library() is not None
 
 
-def gemv_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) with at most MAX_TOKENS rows, weight (out, in) float32 or bfloat16: F.linear(x, weight, bias)."""
+def gemv_cpu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (..., in) with at most MAX_TOKENS rows, weight (out, in) float32 or bfloat16: F.linear(x, weight, bias).
+    With `scale` (out,) float32, weight is int8 and stands for scale[:, None] * weight (weight-only int8)."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features).float().contiguous()
     weight = weight.contiguous()
     bias = None if bias is None else bias.float().contiguous()
+    scale = None if scale is None else scale.float().reshape(out_features).contiguous()
     y = rows.new_empty(rows.shape[0], out_features)
     failed = _gemv_library().samba_gemv(
-        int(weight.dtype == torch.bfloat16),
+        2 if scale is not None else int(weight.dtype == torch.bfloat16),
         rows.shape[0],
         in_features,
         out_features,
@@ -770,6 +802,7 @@ def gemv_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
         None if bias is None else ctypes.c_void_p(bias.data_ptr()),
         ctypes.c_void_p(y.data_ptr()),
         gemv_threads(),
+        None if scale is None else ctypes.c_void_p(scale.data_ptr()),
     )
     if failed:
         raise RuntimeError("samba-hf: the CPU matrix-vector kernel refused its arguments")

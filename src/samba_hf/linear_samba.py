@@ -3,8 +3,11 @@
 A decoding step multiplies every weight matrix by one token's activations, so its speed is the speed at which the
 weights stream from memory; the kernel streams them faster than PyTorch's CPU matrix product does for so few rows. It
 runs when: a CPU with AVX-512, inference (no gradient wanted), 1 to `KERNEL_TOKENS` tokens, plain float32 or bfloat16
-weights (no tensor subclass, such as a quantized weight) and input of the same dtype, the C library built, and the
-kernel switch's "linear" choice (`kernel`, set by the model) is "auto" or "samba" (`kernels_samba`). Everything
+weights (no tensor subclass) and input of the same dtype, the C library built, and the kernel switch's "linear"
+choice (`kernel`, set by the model) is "auto" or "samba" (`kernels_samba`). torchao's int8 weight-only weights
+(`Int8WeightOnlyConfig`: an `Int8Tensor` of int8 values and a float32 scale per row, no zero point) are read by the
+kernel as int8 (a quarter of float32's bytes), outside torch.compile; any other tensor subclass goes through its
+own product. Everything
 else, and `SAMBA_HF_GEMV=pytorch`, calls `nn.Linear.forward`. Under `torch.compile` it is the operator
 `torch.ops.samba_hf.gemv_cpu` (inference only), which dynamo keeps as one call.
 
@@ -37,6 +40,9 @@ class SambaLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        int8 = _int8_rows(weight, x)
+        if int8 is not None and self.kernel in ("auto", "samba") and gemv_available():
+            return gemv_cpu(x, int8[0], self.bias, int8[1])
         if (
             self.kernel in ("auto", "samba")
             and x.device.type == "cpu"
@@ -56,3 +62,30 @@ class SambaLinear(nn.Linear):
                     "CPU cannot run (it needs AVX-512 and a C compiler); the linear layers run nn.Linear"
                 )
         return super().forward(x)
+
+
+def _int8_rows(weight: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 values (out, in), scale (out,)) of a torchao weight-only int8 weight with one symmetric scale per row,
+    where the kernel can take this product (inference on the CPU, float32 or bfloat16 input, few tokens, not
+    compiling); else
+    None. Read from torchao's `Int8Tensor` by its fields (`qdata`, `scale`, `zero_point`, `block_size`)."""
+    if type(weight).__name__ != "Int8Tensor" or not type(weight).__module__.startswith("torchao"):
+        return None
+    qdata, scale, zero_point = (getattr(weight, name, None) for name in ("qdata", "scale", "zero_point"))
+    if (
+        x.device.type != "cpu"
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or torch.compiler.is_compiling()
+        or (torch.is_grad_enabled() and x.requires_grad)
+        or getattr(weight, "act_quant_kwargs", None) is not None
+        or not isinstance(qdata, torch.Tensor)
+        or qdata.dtype != torch.int8
+        or qdata.dim() != 2
+        or list(getattr(weight, "block_size", [])) != [1, qdata.shape[1]]
+        or not isinstance(scale, torch.Tensor)
+        or scale.numel() != qdata.shape[0]
+        or not 0 < x.numel() <= MAX_TOKENS * qdata.shape[1]
+        or (zero_point is not None and bool(zero_point.any()))
+    ):
+        return None
+    return qdata, scale
