@@ -7,9 +7,8 @@ weights (no tensor subclass) and input of the same dtype, the C library built, a
 choice (`kernel`, set by the model) is "auto" or "samba" (`kernels_samba`). torchao's int8 weight-only weights
 (`Int8WeightOnlyConfig`: an `Int8Tensor` of int8 values and a float32 scale per row, no zero point) are read by the
 kernel as int8 (a quarter of float32's bytes), outside torch.compile; any other tensor subclass goes through its
-own product. Everything
-else, and `SAMBA_HF_GEMV=pytorch`, calls `nn.Linear.forward`. Under `torch.compile` it is the operator
-`torch.ops.samba_hf.gemv_cpu` (inference only), which dynamo keeps as one call.
+own product. Everything else, and `SAMBA_HF_GEMV=pytorch`, calls `nn.Linear.forward`. Under `torch.compile` it is
+the operator `torch.ops.samba_hf.gemv_cpu` (inference only), which dynamo keeps as one call.
 
 Part of the remote code of a saved model: imports only torch and its siblings.
 """
@@ -67,8 +66,8 @@ class SambaLinear(nn.Linear):
 def _int8_rows(weight: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(int8 values (out, in), scale (out,)) of a torchao weight-only int8 weight with one symmetric scale per row,
     where the kernel can take this product (inference on the CPU, float32 or bfloat16 input, few tokens, not
-    compiling); else
-    None. Read from torchao's `Int8Tensor` by its fields (`qdata`, `scale`, `zero_point`, `block_size`)."""
+    compiling); else None. Read from torchao's `Int8Tensor` by its fields (`qdata`, `scale`, `zero_point`,
+    `block_size`)."""
     if type(weight).__name__ != "Int8Tensor" or not type(weight).__module__.startswith("torchao"):
         return None
     qdata, scale, zero_point = (getattr(weight, name, None) for name in ("qdata", "scale", "zero_point"))
