@@ -189,6 +189,7 @@ def checks(dtype: torch.dtype, context: int, steps: int) -> dict:
     from samba_hf import cpu_kernels_samba
 
     library = cpu_kernels_samba._gemv_library()
+    threaded = library is not None and library.threaded  # as the library decided when it loaded, put back after
     paths = {
         "kernel, every thread": ("auto", True),
         "kernel, one thread": ("auto", False),
@@ -197,17 +198,15 @@ def checks(dtype: torch.dtype, context: int, steps: int) -> dict:
     result = {"threads": torch.get_num_threads(), "kernel available": library is not None}
     for name in ("samba", "llama"):
         model = build(name, "cpu", dtype)
-        for path, (linear, threaded) in (paths if name == "samba" else {"": ("auto", True)}).items():
+        for path, (linear, every_thread) in (paths if name == "samba" else {"": ("auto", True)}).items():
             if name == "samba":
                 model.set_kernel_implementation({"scan": "auto", "conv": "auto", "linear": linear})
                 if library is not None:
-                    library.threaded = threaded and bool(library.samba_gemv_has_openmp())
+                    library.threaded = every_thread and threaded
             for tokens in (2, 9, 16):
                 result[f"{name} {path} k={tokens}".replace("  ", " ")] = verify(model, context, tokens, steps)
         if library is not None:
-            library.threaded = bool(library.samba_gemv_has_openmp()) and cpu_kernels_samba._shares_torchs_openmp(
-                library
-            )
+            library.threaded = threaded
     try:  # int8 weights through torchao (the quantize extra), float32 activations
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError:

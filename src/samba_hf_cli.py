@@ -219,8 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["int8"],
         help="int8: the linear layers' weights as int8 with a scale per row (torchao's int8 weight-only; pip install "
-        "'samba-hf[quantize]'), a quarter of float32's bytes; with float32 on a CPU with AVX-512, samba-hf's kernel "
-        "reads them (docs/speed.md)",
+        "'samba-hf[quantize]'), a quarter of float32's bytes; on a CPU with AVX-512 (float32 or bfloat16), "
+        "samba-hf's kernel reads them (docs/speed.md)",
     )
     gen.add_argument(
         "--prefill-chunk-size",

@@ -274,3 +274,15 @@ def test_generate_quantize_int8_with_torchao_generates_from_int8_weights(capsys,
     assert main([*argv, "--quantize", "int8"]) == 0
     int8 = capsys.readouterr().out
     assert any(scales) and int8.split()[:8] == full.split()[:8]
+
+
+def test_generate_quantize_takes_int8_only_and_says_so_in_one_line(capsys):
+    """A format torchao could give but samba-hf's kernel does not read (int4) is argparse's refusal, in samba-hf's
+    one-line form, naming the choice."""
+    from samba_hf_cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "Samba is", "--quantize", "int4"])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("samba-hf: error: argument --quantize: invalid choice: 'int4'"), err

@@ -35,7 +35,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
-from transformers.utils import logging
+from transformers.utils import is_torch_greater_or_equal, logging
 
 from .cache_samba import sliding_cache_length
 
@@ -193,7 +193,7 @@ def _sdpa_grouped_on_cpu(module, query, key, value, attention_mask, dropout=0.0,
     return output.transpose(1, 2).contiguous(), None
 
 
-_SDPA_TAKES_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa came in torch 2.5
+_SDPA_TAKES_GQA = is_torch_greater_or_equal("2.5")  # enable_gqa came in torch 2.5
 
 
 def _transformers_attention(attention: Callable) -> Callable:

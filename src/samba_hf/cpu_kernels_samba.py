@@ -367,9 +367,30 @@ typedef struct {
     int M, in, out, kind;
 } Task;
 
-/* R rows from o, tokens m0 .. m0 + G - 1: R and G are constants where it is called, so the sums stay in registers */
-static inline __attribute__((always_inline)) void block(const Task *t, int o, int m0, const int R, const int G) {
+#if defined(__AVX512F__)
+/* 16 weights from W at `at`, as float32: KIND is a constant where it is called */
+static inline __attribute__((always_inline)) __m512 weights16(const void *W, size_t at, const int KIND) {
+    if (KIND == INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)W + at))));
+    if (KIND == BFLOAT16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)W + at))), 16));
+    return _mm512_loadu_ps((const float *)W + at);
+}
+#endif
+
+static inline __attribute__((always_inline)) float weight_at(const void *W, size_t at, const int KIND) {
+    if (KIND == INT8) return (float)((const int8_t *)W)[at];
+    if (KIND == BFLOAT16) return bf16_to_float(((const uint16_t *)W)[at]);
+    return ((const float *)W)[at];
+}
+
+/* R rows from o, tokens m0 .. m0 + G - 1: R, G and KIND are constants where it is called, so the sums stay in
+   registers and the weights' load is chosen at compile time */
+static inline __attribute__((always_inline)) void block(const Task *t, int o, int m0, const int R, const int G,
+                                                        const int KIND) {
     const int in = t->in;
+    const size_t row = (size_t)o * in;
     float sum[ROWS][GROUP];
     int i = 0;
 #if defined(__AVX512F__)
@@ -377,34 +398,9 @@ static inline __attribute__((always_inline)) void block(const Task *t, int o, in
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) acc[r][g] = _mm512_setzero_ps();
 #endif
-    if (t->kind == INT8) {
-        const int8_t *w = (const int8_t *)t->W + (size_t)o * in;
-#if defined(__AVX512F__)
-        for (; i + 16 <= in; i += 16) {
-            __m512 wv[ROWS];
-            for (int r = 0; r < R; r++)
-                wv[r] = _mm512_cvtepi32_ps(
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + (size_t)r * in + i))));
-            for (int g = 0; g < G; g++) {
-                __m512 xv = _mm512_loadu_ps(t->x + (size_t)(m0 + g) * in + i);
-                for (int r = 0; r < R; r++) acc[r][g] = _mm512_fmadd_ps(wv[r], xv, acc[r][g]);
-            }
-        }
-#endif
-        for (int r = 0; r < R; r++)
-            for (int g = 0; g < G; g++) {
-#if defined(__AVX512F__)
-                sum[r][g] = _mm512_reduce_add_ps(acc[r][g]);
-#else
-                sum[r][g] = 0.0f;
-#endif
-                const float *x = t->x + (size_t)(m0 + g) * in;
-                for (int j = i; j < in; j++) sum[r][g] += (float)w[(size_t)r * in + j] * x[j];
-                sum[r][g] *= t->scale[o + r];
-            }
-    } else if (t->kind == BFLOAT16) {
-        const uint16_t *w = (const uint16_t *)t->W + (size_t)o * in;
 #if defined(__AVX512BF16__)
+    if (KIND == BFLOAT16) { /* bf16 dot products of 32 values, x rounded to bf16 once (t->xb) */
+        const uint16_t *w = (const uint16_t *)t->W + row;
         for (; i + 32 <= in; i += 32) {
             __m512bh wv[ROWS];
             for (int r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w + (size_t)r * in + i);
@@ -413,83 +409,68 @@ static inline __attribute__((always_inline)) void block(const Task *t, int o, in
                 for (int r = 0; r < R; r++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], wv[r], xv);
             }
         }
-#elif defined(__AVX512F__)
+    } else
+#endif
+    {
+#if defined(__AVX512F__)
         for (; i + 16 <= in; i += 16) {
             __m512 wv[ROWS];
-            for (int r = 0; r < R; r++)
-                wv[r] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + (size_t)r * in + i))), 16));
+            for (int r = 0; r < R; r++) wv[r] = weights16(t->W, row + (size_t)r * in + i, KIND);
             for (int g = 0; g < G; g++) {
                 __m512 xv = _mm512_loadu_ps(t->x + (size_t)(m0 + g) * in + i);
                 for (int r = 0; r < R; r++) acc[r][g] = _mm512_fmadd_ps(wv[r], xv, acc[r][g]);
             }
         }
 #endif
-        for (int r = 0; r < R; r++)
-            for (int g = 0; g < G; g++) {
-#if defined(__AVX512F__)
-                sum[r][g] = _mm512_reduce_add_ps(acc[r][g]);
-#else
-                sum[r][g] = 0.0f;
-#endif
-                const float *x = t->x + (size_t)(m0 + g) * in;
-                for (int j = i; j < in; j++) sum[r][g] += bf16_to_float(w[(size_t)r * in + j]) * x[j];
-            }
-    } else {
-        const float *w = (const float *)t->W + (size_t)o * in;
-#if defined(__AVX512F__)
-        for (; i + 16 <= in; i += 16) {
-            __m512 wv[ROWS];
-            for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + (size_t)r * in + i);
-            for (int g = 0; g < G; g++) {
-                __m512 xv = _mm512_loadu_ps(t->x + (size_t)(m0 + g) * in + i);
-                for (int r = 0; r < R; r++) acc[r][g] = _mm512_fmadd_ps(wv[r], xv, acc[r][g]);
-            }
-        }
-#endif
-        for (int r = 0; r < R; r++)
-            for (int g = 0; g < G; g++) {
-#if defined(__AVX512F__)
-                sum[r][g] = _mm512_reduce_add_ps(acc[r][g]);
-#else
-                sum[r][g] = 0.0f;
-#endif
-                const float *x = t->x + (size_t)(m0 + g) * in;
-                for (int j = i; j < in; j++) sum[r][g] += w[(size_t)r * in + j] * x[j];
-            }
     }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+#if defined(__AVX512F__)
+            sum[r][g] = _mm512_reduce_add_ps(acc[r][g]);
+#else
+            sum[r][g] = 0.0f;
+#endif
+            const float *x = t->x + (size_t)(m0 + g) * in;
+            for (int j = i; j < in; j++) sum[r][g] += weight_at(t->W, row + (size_t)r * in + j, KIND) * x[j];
+            if (KIND == INT8) sum[r][g] *= t->scale[o + r];
+        }
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++)
             t->y[(size_t)(m0 + g) * t->out + o + r] = sum[r][g] + (t->bias ? t->bias[o + r] : 0.0f);
 }
 
-#define GROUPS(R)                                                                                                   \
-    static void block_##R(const Task *t, int o, int m0, int G) {                                                    \
+/* block() for R rows and a KIND, the token count G (1 .. GROUP) made a constant */
+#define GROUPS(R, KIND)                                                                                             \
+    static void block_##R##_##KIND(const Task *t, int o, int m0, int G) {                                         \
         switch (G) {                                                                                                \
-        case 1: block(t, o, m0, R, 1); break;                                                                       \
-        case 2: block(t, o, m0, R, 2); break;                                                                       \
-        case 3: block(t, o, m0, R, 3); break;                                                                       \
-        case 4: block(t, o, m0, R, 4); break;                                                                       \
-        case 5: block(t, o, m0, R, 5); break;                                                                       \
-        case 6: block(t, o, m0, R, 6); break;                                                                       \
-        case 7: block(t, o, m0, R, 7); break;                                                                       \
-        default: block(t, o, m0, R, 8); break;                                                                      \
+        case 1: block(t, o, m0, R, 1, KIND); break;                                                                 \
+        case 2: block(t, o, m0, R, 2, KIND); break;                                                                 \
+        case 3: block(t, o, m0, R, 3, KIND); break;                                                                 \
+        case 4: block(t, o, m0, R, 4, KIND); break;                                                                 \
+        case 5: block(t, o, m0, R, 5, KIND); break;                                                                 \
+        case 6: block(t, o, m0, R, 6, KIND); break;                                                                 \
+        case 7: block(t, o, m0, R, 7, KIND); break;                                                                 \
+        default: block(t, o, m0, R, 8, KIND); break;                                                                \
         }                                                                                                           \
     }
-GROUPS(1)
-GROUPS(2)
-GROUPS(3)
+#define KINDS(KIND) GROUPS(1, KIND) GROUPS(2, KIND) GROUPS(3, KIND)
+KINDS(FLOAT32)
+KINDS(BFLOAT16)
+KINDS(INT8)
+
+typedef void (*Block)(const Task *, int, int, int);
+static const Block BLOCKS[3][ROWS] = { /* [kind][rows - 1] */
+    {block_1_FLOAT32, block_2_FLOAT32, block_3_FLOAT32},
+    {block_1_BFLOAT16, block_2_BFLOAT16, block_3_BFLOAT16},
+    {block_1_INT8, block_2_INT8, block_3_INT8},
+};
 
 /* rows o_begin .. o_end - 1, every token */
 static void rows(const Task *t, int o_begin, int o_end) {
     for (int o = o_begin; o < o_end; o += ROWS) {
         const int R = o_end - o < ROWS ? o_end - o : ROWS;
-        for (int m0 = 0; m0 < t->M; m0 += GROUP) {
-            const int G = t->M - m0 < GROUP ? t->M - m0 : GROUP;
-            if (R == 3) block_3(t, o, m0, G);
-            else if (R == 2) block_2(t, o, m0, G);
-            else block_1(t, o, m0, G);
-        }
+        for (int m0 = 0; m0 < t->M; m0 += GROUP)
+            BLOCKS[t->kind][R - 1](t, o, m0, t->M - m0 < GROUP ? t->M - m0 : GROUP);
     }
 }
 
@@ -511,7 +492,7 @@ int samba_gemv_has_openmp(void) {
 
 int samba_gemv(int kind, int M, int in, int out, const void *W, const float *x, const float *bias, float *y,
                int threads, const float *scale) {
-    if (M < 1 || M > MAXM || (kind == INT8 && !scale)) return 1;
+    if (M < 1 || M > MAXM || kind < FLOAT32 || kind > INT8 || (kind == INT8 && !scale)) return 1;
     Task task = {W, x, bias, scale, NULL, y, M, in, out, kind};
     uint16_t *xb = NULL;
 #if defined(__AVX512BF16__)
@@ -648,46 +629,38 @@ def _scan_threads(batch: int, seq_len: int, d_inner: int, d_state: int) -> int:
     return 1 if batch * seq_len * d_inner * d_state < (1 << 18) else torch.get_num_threads()
 
 
-def _cpu_scan_forward(u, dt, A, B, C, D, z, h0, keep_checkpoints=False):
-    """y, the last state, and (keep_checkpoints) the state before every 64th step, for the backward."""
+def _cpu_scan_forward(u, dt, A, B, C, D, z, h0, keep_checkpoints=False, keep_states=False):
+    """y, the last state, and either (keep_checkpoints) the state before every 64th step, for the backward, or
+    (keep_states) the state after every step (batch, seq, d_inner, d_state)."""
     (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
     h = u.new_zeros(batch, d_inner, d_state) if h0 is None else h0.clone()
     y = torch.empty_like(u)
-    segments = -(-seq_len // _CPU_SCAN_SEGMENT)
-    checkpoints = u.new_empty(batch, segments, d_inner, d_state) if keep_checkpoints else None
-    failed = _cpu_scan_library().samba_scan_forward(
+    library = _cpu_scan_library()
+    if keep_states:
+        forward, kept = library.samba_scan_forward_states, u.new_empty(batch, seq_len, d_inner, d_state)
+    else:
+        segments = -(-seq_len // _CPU_SCAN_SEGMENT)
+        forward = library.samba_scan_forward
+        kept = u.new_empty(batch, segments, d_inner, d_state) if keep_checkpoints else None
+    failed = forward(
         _scan_threads(batch, seq_len, d_inner, d_state),
         batch,
         seq_len,
         d_inner,
         d_state,
-        *map(_pointer, (u, dt, A, B, C, D, z, h, y, checkpoints)),
+        *map(_pointer, (u, dt, A, B, C, D, z, h, y, kept)),
     )
     if failed:
         raise MemoryError("samba-hf: out of memory in the CPU scan")
-    return (y, h, checkpoints) if keep_checkpoints else (y, h)
+    return (y, h, kept) if keep_checkpoints or keep_states else (y, h)
 
 
 def selective_scan_cpu_states(u, dt, A, B, C, D=None, z=None, h0=None):
     """The compiled scan, inference only, also giving the state after every token: y, the last state and the states
     (batch, seq, d_inner, d_state), each token's numbers those of a scan of that token alone from the state before
     (what a recording forward keeps for `crop`, in one call instead of one per token)."""
-    u, dt, A, B, C, D, z, h0 = (None if x is None else x.float().contiguous() for x in (u, dt, A, B, C, D, z, h0))
-    (batch, seq_len, d_inner), d_state = u.shape, A.shape[1]
-    h = u.new_zeros(batch, d_inner, d_state) if h0 is None else h0.clone()
-    y = torch.empty_like(u)
-    states = u.new_empty(batch, seq_len, d_inner, d_state)
-    failed = _cpu_scan_library().samba_scan_forward_states(
-        _scan_threads(batch, seq_len, d_inner, d_state),
-        batch,
-        seq_len,
-        d_inner,
-        d_state,
-        *map(_pointer, (u, dt, A, B, C, D, z, h, y, states)),
-    )
-    if failed:
-        raise MemoryError("samba-hf: out of memory in the CPU scan")
-    return y, h, states
+    inputs = (None if x is None else x.float().contiguous() for x in (u, dt, A, B, C, D, z, h0))
+    return _cpu_scan_forward(*inputs, keep_states=True)
 
 
 def _cpu_scan_backward(u, dt, A, B, C, D, z, checkpoints, grad_y, grad_h, D_given=True, z_given=True):

@@ -18,7 +18,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .cpu_kernels_samba import GEMV_OPERATOR, MAX_TOKENS, gemv_available, gemv_cpu
-from .kernels_samba import run_kernel
+from .kernels_samba import run_kernel, wants_gradient
 
 logger = logging.get_logger(__name__)
 
@@ -75,7 +75,7 @@ def _int8_rows(weight: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, tor
         x.device.type != "cpu"
         or x.dtype not in (torch.float32, torch.bfloat16)
         or torch.compiler.is_compiling()
-        or (torch.is_grad_enabled() and x.requires_grad)
+        or wants_gradient(x)
         or getattr(weight, "act_quant_kwargs", None) is not None
         or not isinstance(qdata, torch.Tensor)
         or qdata.dtype != torch.int8

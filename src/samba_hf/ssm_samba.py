@@ -433,7 +433,7 @@ def scan_keeping_states(scan: Callable, h0: torch.Tensor | None, per_token: dict
         scan is selective_scan
         and _takes_cpu_scan(per_token["u"], fixed.get("kernel", "auto"))
         and not compiling()
-        and not (torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in per_token.values()))
+        and not wants_gradient(h0, *per_token.values(), *(v for v in fixed.values() if isinstance(v, torch.Tensor)))
     ):
         options = {name: value for name, value in fixed.items() if name != "kernel"}
         y, h, states = selective_scan_cpu_states(**per_token, **options, h0=h0)
