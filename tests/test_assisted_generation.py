@@ -246,3 +246,44 @@ def test_speculative_sampling_samples_the_models_distribution():
         plain, assisted = (Counter(sample[position] for sample in samples[mode]) for mode in samples)
         distance = sum(abs(plain[t] - assisted[t]) for t in plain.keys() | assisted.keys()) / (2 * runs)
         assert distance < 0.3, (position, distance)
+
+
+def test_prompt_lookup_pauses_after_refused_drafts():
+    """After each round whose drafts are all refused, no draft for 1, 2, 4, ... tokens (at most the limit); an
+    accepted token drafts again at once; a round without a match changes nothing."""
+    from samba_hf.speculative_samba import PausingPromptLookup
+
+    lookup = candidate_generator.PromptLookupCandidateGenerator(num_output_tokens=3, max_length=1000)
+    pausing = PausingPromptLookup(lookup, max_pause=4)
+    quoting = torch.tensor([[5, 6, 7, 8, 9, 5, 6]])  # "5 6" occurred: drafts "7 8 9"
+
+    def rounds(n: int, accepted: int, ids=quoting) -> str:
+        seen = ""
+        for _ in range(n):
+            candidates, _ = pausing.get_candidates(ids)
+            drafted = candidates.shape[1] - ids.shape[1]
+            seen += "d" if drafted else "."
+            pausing.update_candidate_strategy(ids, None, accepted if drafted else 0)
+        return seen
+
+    assert rounds(16, accepted=0) == "d.d..d....d....d"  # pauses of 1, 2, 4, then the limit
+    assert rounds(4, accepted=0) == "...."  # the pause the last refused round began
+    assert rounds(4, accepted=1) == "dddd"  # an accepted token ends the pause
+    assert rounds(3, accepted=0, ids=torch.tensor([[1, 2, 3, 4]])) == "..."  # no match: nothing drafted
+    assert rounds(2, accepted=0) == "d."  # and no pause begun by the rounds without a match
+
+
+@pytest.mark.parametrize("name", ["samba", "sambay"])
+def test_pausing_prompt_lookup_gives_the_greedy_tokens_and_checks_fewer_drafts(name, spy):
+    """A random tiny model quotes its prompt rarely: most drafts are refused. With the pause, fewer drafts are
+    checked than with transformers' own prompt lookup (`draft_pause_limit = 0`), and the tokens stay plain greedy's."""
+    model = layout(name)
+    ids = repetitive_prompt(model.config.vocab_size, seed=4)
+    expected = greedy(model, ids)
+    model.draft_pause_limit = 0
+    assert torch.equal(greedy(model, ids, prompt_lookup_num_tokens=5), expected)
+    every_round = sum(1 for d in spy["drafts"] if d)
+    spy["drafts"].clear()
+    model.draft_pause_limit = 32
+    assert torch.equal(greedy(model, ids, prompt_lookup_num_tokens=5), expected)
+    assert 0 < sum(1 for d in spy["drafts"] if d) < every_round

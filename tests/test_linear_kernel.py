@@ -224,6 +224,42 @@ def test_a_torchao_int8_model_reads_its_int8_weights_in_the_kernel_and_agrees_wi
     assert (top[0] == top[1]).float().mean() >= 0.99
 
 
+def test_a_torchao_int8_model_saves_and_reloads_as_int8(tmp_path):
+    """save_pretrained writes the int8 values and scales (under half of float32's bytes here, the tied embedding
+    staying float32); from_pretrained, installed or from the folder's own code, gives back the same int8 weights,
+    and logits equal to the quantized model's before saving."""
+    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):
+        pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    from samba_hf.cli import default_model_path
+
+    int8 = AutoModelForCausalLM.from_pretrained(
+        default_model_path(), dtype=torch.float32, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
+    ).eval()
+    int8.save_pretrained(tmp_path)
+    full_bytes = 4 * sum(p.numel() for p in int8.parameters())
+    assert (tmp_path / "model.safetensors").stat().st_size < full_bytes / 2
+    ids = torch.tensor([[1, 450, 496, 1735, 13, 7]])
+    with torch.no_grad():
+        expected = int8(ids).logits
+    for remote in (False, True):
+        again = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=remote).eval()
+        assert again.config.quantization_config is not None
+        pairs = [
+            (m.weight, dict(again.named_modules())[name].weight)
+            for name, m in int8.named_modules()
+            if isinstance(m, SambaLinear) and type(m.weight) is not nn.Parameter
+        ]
+        assert pairs
+        for before, after in pairs:
+            assert type(after) is type(before)
+            assert torch.equal(after.qdata, before.qdata) and torch.equal(after.scale, before.scale)
+        with torch.no_grad():
+            assert torch.equal(again(ids).logits, expected)
+
+
 @requires_kernel
 def test_the_kernel_on_torchao_int8_weights_equals_a_float64_product_of_them():
     """1 to 16 tokens, rows in blocks of 3 and a part, a tail past whole blocks of 16 values: within float32

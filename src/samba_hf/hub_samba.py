@@ -18,6 +18,7 @@ REMOTE_CODE_FILES = (
     "hub_samba.py",
     "linear_samba.py",
     "ssm_samba.py",
+    "speculative_samba.py",
     "kernels_samba.py",
     "cpu_kernels_samba.py",
     "triton_scan_samba.py",

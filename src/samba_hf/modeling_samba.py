@@ -12,7 +12,8 @@ Mamba-2-Hybrid, Megatron's one-sub-layer blocks) run x += mixer(input_layernorm(
 Beside this file: `attention_samba.py` (which attention runs, and the sliding-window backends), `ssm_samba.py` (which
 scan and conv kernel runs), `cache_samba.py` (the decoding cache: transformers' hybrid `DynamicCache(config=...)`,
 one conv window and one SSM state per Mamba layer, at most `sliding_window - 1` key/value positions per sliding
-layer, written in place), `validation_samba.py` (the input checks), `hub_samba.py` (what a saved folder holds).
+layer, written in place), `validation_samba.py` (the input checks), `hub_samba.py` (what a saved folder holds),
+`speculative_samba.py` (prompt lookup that pauses after refused drafts).
 
 This file is also the remote code of a saved model: it imports only torch, transformers and its siblings.
 """
@@ -27,6 +28,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, StaticCache
 from transformers.generation import GenerationMixin
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.masking_utils import (
     create_causal_mask,
@@ -63,6 +65,7 @@ from .configuration_samba import SambaConfig
 from .hub_samba import save_folder
 from .kernels_samba import resolve_kernel_implementation
 from .linear_samba import SambaLinear
+from .speculative_samba import PausingPromptLookup
 from .ssm_samba import causal_conv, check_kernel_implementation, scan_keeping_states, selective_scan, ssd_scan
 from .validation_samba import check_inputs
 
@@ -841,6 +844,7 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
     _fsdp_plan = {"lm_head": "keep_full_weight"}  # with the final norm, one unit kept gathered for the backward
+    draft_pause_limit = 32  # prompt lookup: the most tokens decoded without drafting after refused drafts
 
     def __init__(self, config: SambaConfig):
         super().__init__(config)
@@ -953,6 +957,14 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         )
         if cache is not None:
             check_static_cache_room(cache, self.config, max_cache_length)
+
+    def _get_candidate_generator(self, generation_config, *args, **kwargs):
+        """transformers' candidate generator for assisted generation; prompt lookup pauses its drafting after
+        refused drafts, up to `draft_pause_limit` tokens at a time (0: transformers' own, drafting every round)."""
+        generator = super()._get_candidate_generator(generation_config, *args, **kwargs)
+        if isinstance(generator, PromptLookupCandidateGenerator) and self.draft_pause_limit > 0:
+            generator = PausingPromptLookup(generator, self.draft_pause_limit)
+        return generator
 
     def cache_nbytes(self, batch_size: int = 1, seq_len: int | None = None, dtype: torch.dtype | None = None) -> int:
         """Bytes held by the generation cache (`DynamicCache(config=...)`) once `seq_len` tokens have been seen, in

@@ -1,0 +1,1 @@
+../speculative_samba.py
