@@ -5,14 +5,16 @@
 
 1. The embedded default model on input-grounded prompts made from this repository's files (continuing a code file
    it was shown, quoting a paragraph of documentation it was shown; each within the model's 256-token window), in
-   float32 through `generate`: plain greedy against `prompt_lookup_num_tokens=--draft`. Tokens/s (the median of
+   float32 through `generate`: plain greedy against `prompt_lookup_num_tokens=--draft`, with samba-hf's pause after
+   refused drafts and without it (`draft_pause_limit = 0`: transformers' own). Tokens/s (the median of
    `--repeats`, alternated), the verification rounds, tokens per round, the acceptance rate (accepted drafted
    tokens / drafted tokens), and whether the tokens are identical. In bfloat16 (where this CPU multiplies it
    natively): how many tokens agree with plain greedy decoding in bfloat16.
 2. Samba against a Llama of the same shape (decode_speed.py's: random weights), after a 230-token prompt. A random
    Llama's own drafts would not be accepted as a trained model's are, so both models replay the rounds part 1
-   measured in float32 for each task: a forward over the prompt and the first draft, then per round a forward over
-   the round's tokens and a `crop` to what was accepted, as generate runs them; plain: the prompt, then one-token
+   measured in float32 for each task (with the pause: a paused round is a one-token forward): a forward over the
+   prompt and the first draft, then per round a forward over the round's tokens and a `crop` to what was accepted,
+   as generate runs them; plain: the prompt, then one-token
    steps. Tokens/s of each (the median of `--repeats`), and the speed-ups.
 3. The same replay on the ~113M Samba and Llama of run_benchmarks.py (random weights), after a 1K-token prompt.
 """
@@ -53,11 +55,12 @@ def tasks(tokenizer) -> dict[str, torch.Tensor]:
 
 
 def spied_rounds():
-    """Patch prompt lookup to note each round's (drafted, accepted); returns the list it fills."""
-    from transformers.generation import candidate_generator
+    """Patch prompt lookup to note each round's (drafted, accepted), paused rounds included (drafted 0); returns the
+    list it fills."""
+    from samba_hf.speculative_samba import PausingPromptLookup
 
     rounds = []
-    cls = candidate_generator.PromptLookupCandidateGenerator
+    cls = PausingPromptLookup
     get_candidates, update = cls.get_candidates, cls.update_candidate_strategy
 
     def noted_candidates(self, input_ids, *args, **kwargs):
@@ -85,23 +88,30 @@ def generate_part(args, tokenizer, model_path) -> dict:
             options = dict(
                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None
             )
-            times, outputs = {"plain": [], "prompt_lookup": []}, {}
+            times, outputs = {"plain": [], "prompt_lookup_unpaused": [], "prompt_lookup": []}, {}
             with torch.no_grad():
                 model.generate(ids[:, :20], max_new_tokens=5, do_sample=False)  # warm-up (the C kernels load)
                 for _ in range(args.repeats):
-                    for mode in times:
+                    for mode in times:  # the paused mode last: `rounds` keeps its trace
                         extra = {} if mode == "plain" else dict(prompt_lookup_num_tokens=args.draft)
+                        model.draft_pause_limit = (
+                            0 if mode == "prompt_lookup_unpaused" else type(model).draft_pause_limit
+                        )
                         rounds.clear()
                         start = time.perf_counter()
                         outputs[mode] = model.generate(ids, **options, **extra)
                         times[mode].append(time.perf_counter() - start)
+                model.draft_pause_limit = type(model).draft_pause_limit
             plain, speculative = outputs["plain"][0, ids.shape[1] :], outputs["prompt_lookup"][0, ids.shape[1] :]
             agree = int((plain == speculative).long().cumprod(0).sum())
             drafted, accepted = sum(d for d, _ in rounds), sum(n for _, n in rounds)
             entry[dtype] = {
                 "plain_tokens_per_s": args.new_tokens / statistics.median(times["plain"]),
                 "prompt_lookup_tokens_per_s": args.new_tokens / statistics.median(times["prompt_lookup"]),
+                "unpaused_tokens_per_s": args.new_tokens / statistics.median(times["prompt_lookup_unpaused"]),
+                "unpaused_identical": bool(torch.equal(plain, outputs["prompt_lookup_unpaused"][0, ids.shape[1] :])),
                 "rounds": len(rounds),
+                "checked_rounds": sum(1 for d, _ in rounds if d),
                 "drafted": drafted,
                 "accepted": accepted,
                 "acceptance": accepted / max(drafted, 1),
