@@ -21,6 +21,11 @@
    and k - 1 drafts, recording as assisted generation has it) and the crop of the drafts, against a one-token step
    (`benchmarks/gpu.py`'s `verify`, medians of --steps), for k in 2, 9 and 16; in float32 also with torchao's int8
    weight-only weights where torchao is installed.
+5. Where the embedded default's time goes (`--parts overhead`): it and the same-shape Llama of part 2, in one
+   process, alternated `--repeats` times: ms a token of `generate` (200 greedy tokens, eager), of the forward alone
+   (one-token steps on a cache), and of the linear layers' products inside that forward (timed around each call:
+   samba-hf's kernel or nn.Linear), with the bytes of weights a step reads; the rest of the forward is the norms,
+   mixers, attention and Python around them, and generate's loop is its time less the forward's.
 Dtypes: float32, plus bfloat16 where this CPU multiplies it natively (the rule of `--dtype auto`).
 """
 
@@ -219,6 +224,98 @@ def checks(dtype: torch.dtype, context: int, steps: int) -> dict:
     return result
 
 
+def overhead(dtype: torch.dtype, repeats: int, tokens: int = 200) -> dict:
+    """ms a token: generate, the forward alone, the linears' products within it (part 5 of the docstring)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from samba_hf import linear_samba
+    from samba_hf.cli import default_model_path
+
+    c = AutoConfig.from_pretrained(default_model_path())
+    torch.manual_seed(0)
+    llama_config = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=797,  # as many parameters as the default (vllm_serving.LLAMA_MLP)
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        tie_word_embeddings=True,
+    )
+    models = {
+        "samba": AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=dtype).eval(),
+        "llama": LlamaForCausalLM(llama_config).to(dtype).eval(),
+    }
+    spent, depth = [0.0], [0]
+    originals = {cls: cls.forward for cls in (torch.nn.Linear, linear_samba.SambaLinear)}
+
+    def timed(cls):
+        def forward(module, x):  # the outermost linear call only (SambaLinear may hand on to nn.Linear's)
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return originals[cls](module, x)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[0] += time.perf_counter() - start
+
+        return forward
+
+    ids = torch.randint(4, c.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    options = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    times = {name: {"generate": [], "forward": [], "linears": []} for name in models}
+    with torch.inference_mode():
+        for model in models.values():
+            model.generate(ids, **options)  # warm-up
+        for _ in range(repeats):
+            for name, model in models.items():
+                start = time.perf_counter()
+                model.generate(ids, **options)
+                times[name]["generate"].append((time.perf_counter() - start) / tokens)
+                cache = DynamicCache(config=model.config)
+                model(ids, cache=cache, use_cache=True)
+                token, steps = ids[:, :1], []
+                for _ in range(tokens):
+                    start = time.perf_counter()
+                    model(token, cache=cache, use_cache=True, logits_to_keep=1)
+                    steps.append(time.perf_counter() - start)
+                times[name]["forward"].append(statistics.median(steps))
+                cache = DynamicCache(config=model.config)
+                model(ids, cache=cache, use_cache=True)
+                for cls in originals:
+                    cls.forward = timed(cls)
+                try:
+                    spent[0] = 0.0
+                    for _ in range(tokens):
+                        model(token, cache=cache, use_cache=True, logits_to_keep=1)
+                    times[name]["linears"].append(spent[0] / tokens)
+                finally:
+                    for cls, forward in originals.items():
+                        cls.forward = forward
+    result = {}
+    for name, model in models.items():
+        ms = {part: 1e3 * statistics.median(values) for part, values in times[name].items()}
+        result[name] = {
+            "generate ms/token": ms["generate"],
+            "forward ms": ms["forward"],
+            "linears ms": ms["linears"],
+            "rest of the forward ms": ms["forward"] - ms["linears"],
+            "generate loop ms": ms["generate"] - ms["forward"],
+            "weight MB a step reads": decode_bytes_per_token(model) / 1e6,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
+    return result
+
+
 LLAMA_STEPS = """
 import statistics, sys, time, torch
 from transformers import AutoConfig, CompileConfig, LlamaConfig, LlamaForCausalLM
@@ -303,15 +400,16 @@ def main():
         default="steps,default,kernels",
         help="steps (the 113M models' decode step), "
         "default (the embedded default through samba-hf generate), kernels (the 113M Samba's linears "
-        "through the kernel and nn.Linear; one query's sdpa), checks (checking drafts against a step)",
+        "through the kernel and nn.Linear; one query's sdpa), checks (checking drafts against a step), overhead "
+        "(where the embedded default's step goes, against a same-shape Llama's)",
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.out is not None and not args.out.parent.is_dir():
         parser.error(f"--out: the folder {args.out.parent} does not exist")
     parts = args.parts.split(",")
-    if not parts or set(parts) - {"steps", "default", "kernels", "checks"}:
-        parser.error(f"--parts: give some of steps, default, kernels, checks, got {args.parts!r}")
+    if not parts or set(parts) - {"steps", "default", "kernels", "checks", "overhead"}:
+        parser.error(f"--parts: give some of steps, default, kernels, checks, overhead, got {args.parts!r}")
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be at least 1")
     dtypes = args.dtypes.split(",") if args.dtypes else default_dtypes("cpu")
@@ -340,6 +438,8 @@ def main():
             result["checks"] = checks(getattr(torch, dtype), contexts[0], args.steps)
         if "default" in parts:
             result["default_model_tokens_per_s"] = default_model(dtype, args.repeats)
+        if "overhead" in parts:
+            result["default_model_overhead"] = overhead(getattr(torch, dtype), args.repeats)
         report["results"][dtype] = result
         print(json.dumps({dtype: result}, indent=1), flush=True)
     if args.out:  # whole or not at all
