@@ -38,6 +38,7 @@ from transformers.modeling_utils import AttentionInterface
 from transformers.utils import is_torch_greater_or_equal, logging
 
 from .cache_samba import sliding_cache_length
+from .kernels_samba import exporting
 
 logger = logging.get_logger(__name__)
 
@@ -117,6 +118,8 @@ def sliding_window_mask(
     own (eager, sdpa), with no attention weights asked for, and no cache or the dynamic one (static caches come with
     ready-made masks from generate). Then flex_attention's block mask where `takes_flex_attention`, else the
     block-wise path's."""
+    if exporting():  # an exported program runs at any length: transformers' mask (the window in it) at every one
+        return None
     if not (
         inputs_embeds.shape[1] > config.sliding_window
         and not packed
@@ -157,7 +160,8 @@ def ready_sliding_mask(config, inputs_embeds: torch.Tensor, mask):
     window: none, or a 2D padding mask, for an input longer than the window in an implementation without a window of
     its own. The block-wise path's mask then, which holds it; any other mask as it is."""
     if (
-        inputs_embeds.shape[1] > config.sliding_window
+        not exporting()
+        and inputs_embeds.shape[1] > config.sliding_window
         and config._attn_implementation in BLOCKWISE_IMPLEMENTATIONS
         and (mask is None or (isinstance(mask, torch.Tensor) and mask.ndim == 2))
     ):
@@ -177,6 +181,7 @@ def _sdpa_grouped_on_cpu(module, query, key, value, attention_mask, dropout=0.0,
     spent most of its attention time in those copies. None where the call is not that case."""
     if (
         query.device.type != "cpu"
+        or exporting()  # (transformers' path: what exporters lower)
         or not _SDPA_TAKES_GQA
         or getattr(module, "num_key_value_groups", 1) == 1
         or query.shape[2] == 1  # (transformers packs the query heads of one key head then: no copy)

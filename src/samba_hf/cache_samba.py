@@ -79,8 +79,15 @@ class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new = key_states.shape[-2]
+        if torch.compiler.is_exporting():  # a program's cache keeps one structure: transformers' layer (as exporters
+            return super().update(key_states, value_states, *args, **kwargs)  # trace it), never the buffer
         if not self.is_initialized or new > window_slack(self.sliding_window):
-            return super().update(key_states, value_states, *args, **kwargs)
+            visible = super().update(key_states, value_states, *args, **kwargs)
+            # the kept window as a tensor of its own, not a view into this forward's keys: it lets go of them, and a
+            # decoding step traced from this cache (transformers' export_for_generation) sees the layout an
+            # exported prompt's cache has
+            self.keys, self.values = self.keys.contiguous(), self.values.contiguous()
+            return visible
         if not self._in_place():  # first step, or replaced from outside
             if self.keys.shape[-2] + new > self.sliding_window - 1 + window_slack(self.sliding_window):
                 return super().update(key_states, value_states, *args, **kwargs)  # (recorded, not yet cropped)

@@ -27,6 +27,9 @@ PyTorch paths.
 The choice between a kernel's compiled operator, its autograd function and its plain forward is made once, in
 `run_kernel`, for every kernel samba-hf has.
 
+While torch.export traces (`exporting`), every part runs its PyTorch path whatever the choice: an exported program
+holds core ATen operators only, which ExecuTorch and ONNX lower, and its scans run at any length (`ssm_samba`).
+
 Part of the remote code of a saved model: imports only torch.
 """
 
@@ -65,6 +68,12 @@ def resolve_kernel_implementation(value) -> dict[str, str]:
                 "kernels')."
             )
     return {part: value.get(part, "auto") for part in KERNEL_PARTS}
+
+
+def exporting() -> bool:
+    """Whether torch.export is tracing this call (transformers' exporters, ExecuTorch, ONNX): every part then runs
+    its PyTorch path (module docstring)."""
+    return torch.compiler.is_exporting()
 
 
 def wants_gradient(*tensors) -> bool:

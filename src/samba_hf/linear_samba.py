@@ -18,7 +18,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .cpu_kernels_samba import GEMV_OPERATOR, MAX_TOKENS, gemv_available, gemv_cpu
-from .kernels_samba import run_kernel, wants_gradient
+from .kernels_samba import exporting, run_kernel, wants_gradient
 
 logger = logging.get_logger(__name__)
 
@@ -39,6 +39,8 @@ class SambaLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
+        if exporting():  # an exported program holds nn.Linear's product (kernels_samba)
+            return super().forward(x)
         int8 = _int8_rows(weight, x)
         if int8 is not None and self.kernel in ("auto", "samba") and gemv_available():
             return gemv_cpu(x, int8[0], self.bias, int8[1])

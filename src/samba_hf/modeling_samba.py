@@ -233,6 +233,8 @@ class PackedDocuments:
         """The documents packed into the rows (position_ids restart within a row, no padding), or None."""
         if position_ids is None or position_ids.shape[1] < 2 or isinstance(attention_mask, dict):
             return None
+        if torch.compiler.is_exporting():  # where documents lie is data an exported program's shapes cannot depend
+            return None  # on: one document per row (packed batches are for training)
         if attention_mask is not None and not bool(attention_mask.all()):
             return None  # padding: position_ids repeat over padded positions, that is not packing (as transformers)
         document_ids = find_packed_sequence_indices(position_ids)

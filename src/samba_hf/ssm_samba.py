@@ -57,7 +57,7 @@ from torch import nn
 from transformers.utils import logging
 
 from .cpu_kernels_samba import cpu_scan_available, selective_scan_cpu, selective_scan_cpu_states
-from .kernels_samba import KERNEL_IMPLEMENTATIONS, resolve_kernel_implementation, wants_gradient
+from .kernels_samba import KERNEL_IMPLEMENTATIONS, exporting, resolve_kernel_implementation, wants_gradient
 
 logger = logging.get_logger(__name__)
 
@@ -354,6 +354,8 @@ def selective_scan(
     which is how padded positions are skipped). Returns y (batch, seq, d_inner) and the last state. `kernel`: the
     scan's choice of the kernel switch (`kernels_samba`), "auto" unless a model was told otherwise.
     """
+    if exporting():
+        return selective_scan_over_time(u, dt, A, B, C, D, z, h0)
     if kernel == "pytorch":
         return selective_scan_pytorch(u, dt, A, B, C, D, z, h0)
     if kernel != "auto" and not compiling():
@@ -422,6 +424,32 @@ def selective_scan_pytorch(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[tor
     return y.to(u.dtype), h
 
 
+def selective_scan_over_time(u, dt, A, B, C, D=None, z=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`selective_scan_pytorch`'s recurrence as one of torch's `scan` operators over the tokens: what an exported
+    program holds (torch.export, ExecuTorch, ONNX), which runs at any length, where a Python loop would be unrolled
+    at the traced one. Each token's decay and input are computed in its step, so memory does not grow with the
+    length. The same numbers as `selective_scan_pytorch` but for the order of the sum over d_state."""
+    from torch._higher_order_ops.scan import scan
+
+    batch, _, d_inner = u.shape
+    A = A.float()
+    h = torch.zeros(batch, d_inner, A.shape[-1], device=u.device, dtype=torch.float32) if h0 is None else h0.float()
+
+    def step(h, token):
+        u_t, dt_t, B_t, C_t = token  # (b, d), (b, d), (b, n), (b, n)
+        h = torch.addcmul((dt_t * u_t)[..., None] * B_t[:, None, :], torch.exp(dt_t[..., None] * A), h)
+        return h, (h * C_t[:, None, :]).sum(-1)
+
+    over_time = [t.float().transpose(0, 1) for t in (u, dt, B, C)]  # (seq, batch, ...)
+    h, y = scan(step, h, over_time)
+    y = y.transpose(0, 1)  # (b, t, d)
+    if D is not None:
+        y = y + u.float() * D.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y.to(u.dtype), h
+
+
 def scan_keeping_states(scan: Callable, h0: torch.Tensor | None, per_token: dict, **fixed):
     """`scan` (`selective_scan` or `ssd_scan`) keeping the state after each token: what a recording forward (assisted
     generation's check of drafted tokens) hands its cache, to take the layer back to any of those tokens. Where
@@ -471,6 +499,8 @@ def ssd_scan(
     Triton alone samba-hf's chunked SSD for inference on a half-precision prompt (`_takes_chunked_ssd`), its scan
     over heads otherwise; elsewhere `ssd_scan_pytorch`. `kernel`: as `selective_scan`'s.
     """
+    if exporting():
+        return ssd_scan_over_time(x, dt, A, B, C, D, h0)
     if kernel == "pytorch":
         return ssd_scan_pytorch(x, dt, A, B, C, D, h0, chunk_size)
     if kernel != "auto" and not compiling():
@@ -580,6 +610,40 @@ def ssd_scan_pytorch(x, dt, A, B, C, D=None, h0=None, chunk_size=128) -> tuple[t
             "bjgrp,bjgn->bgrpn", xc * to_end[..., None], Bc
         )
     y = y.view(batch, seq_len, heads, head_dim)
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    return y.to(x.dtype), state.view(batch, heads, head_dim, d_state)
+
+
+def ssd_scan_over_time(x, dt, A, B, C, D=None, h0=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SSD token by token (`ssd_scan`'s recurrence) as one of torch's `scan` operators over the tokens: what an
+    exported program holds, at any length (`selective_scan_over_time`). Equal to `ssd_scan_pytorch` up to the
+    order of its sums."""
+    from torch._higher_order_ops.scan import scan
+
+    batch, _, heads, head_dim = x.shape
+    groups, d_state = B.shape[2:]
+    per_group = heads // groups
+    A = A.float().view(groups, per_group)
+    state = x.new_zeros(batch, heads, head_dim, d_state, dtype=torch.float32) if h0 is None else h0.float()
+    state = state.view(batch, groups, per_group, head_dim, d_state)  # a head's B and C are its group's
+
+    def step(state, token):
+        x_t, dt_t, B_t, C_t = token  # (b, g, r, p), (b, g, r), (b, g, n), (b, g, n)
+        state = (
+            state * torch.exp(dt_t * A)[..., None, None]
+            + (x_t * dt_t[..., None])[..., None] * B_t[:, :, None, None, :]
+        )
+        return state, (state * C_t[:, :, None, None, :]).sum(-1)
+
+    over_time = [
+        x.float().view(batch, -1, groups, per_group, head_dim).transpose(0, 1),
+        dt.float().view(batch, -1, groups, per_group).transpose(0, 1),
+        B.float().transpose(0, 1),
+        C.float().transpose(0, 1),
+    ]
+    state, y = scan(step, state, over_time)
+    y = y.transpose(0, 1).reshape(x.shape)  # (b, t, heads, head_dim)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
     return y.to(x.dtype), state.view(batch, heads, head_dim, d_state)
@@ -707,6 +771,8 @@ def causal_conv(conv1d: nn.Conv1d, window: torch.Tensor, seq_len: int, kernel: s
     holds the cached left context (if any) followed by the new inputs. Returns (batch, d_inner, seq_len). `kernel`:
     the conv's choice of the kernel switch (`kernels_samba`); "pytorch" runs the Conv1d module."""
     plain = type(conv1d) is nn.Conv1d  # an adapter-wrapped conv must run as a module
+    if exporting():
+        kernel = "pytorch"
     if kernel != "auto" and plain and not compiling():
         require("conv", kernel, window.device)
     if kernel != "pytorch" and plain and kernel_device(window.device):

@@ -1,0 +1,127 @@
+"""Export (#49) through transformers' own exporters, torch.export's here (ExecuTorch and ONNX run in their own
+environment: tests/export_backends/): while exporting, every part takes its PyTorch path, the scans are one `scan`
+operator over the tokens (so a program runs at any length), nothing depends on data, and a cache keeps one
+structure. Checked on every layout: a forward program at lengths other than the traced one against eager, and the
+prefill + decode programs of `export_for_generation` giving eager's greedy tokens past the window."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_mamba2 import float64_ssd, ssd_inputs, tiny_mamba2
+from test_reference_models import float64_recurrence
+from test_sambay import tiny_model as tiny_sambay
+from transformers.exporters import DynamoConfig, DynamoExporter
+
+from samba_hf import ssm_samba
+from samba_hf.exported_generation import generate_exported
+
+LAYOUTS = ["samba", "megatron", "samba2", "sambay"]
+
+
+def layout(name: str):
+    if name == "samba":
+        return tiny_model(seed=1)
+    if name in ("megatron", "samba2"):  # the Mamba-2-Hybrid layout; Samba with Mamba-2
+        return tiny_mamba2(name, seed=3)
+    return tiny_sambay(seed=5)[0]
+
+
+def scan_inputs(batch=2, seq_len=23, d_inner=6, d_state=4, seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "u": torch.randn(batch, seq_len, d_inner, generator=g),
+        "dt": torch.rand(batch, seq_len, d_inner, generator=g) * 0.5,
+        "A": -torch.rand(d_inner, d_state, generator=g) * 2,
+        "B": torch.randn(batch, seq_len, d_state, generator=g),
+        "C": torch.randn(batch, seq_len, d_state, generator=g),
+        "D": torch.randn(d_inner, generator=g),
+        "z": torch.randn(batch, seq_len, d_inner, generator=g),
+        "h0": torch.randn(batch, d_inner, d_state, generator=g),
+    }
+
+
+@pytest.mark.parametrize("from_state", [False, True])
+def test_the_scan_over_time_equals_the_pytorch_scan_and_float64(from_state):
+    x = scan_inputs()
+    if not from_state:
+        x["h0"] = None
+    y, h = ssm_samba.selective_scan_over_time(**x)
+    y_pt, h_pt = ssm_samba.selective_scan_pytorch(**x)
+    zero = torch.zeros(2, 6, 4)
+    y64, h64 = float64_recurrence(**{**x, "h0": zero if x["h0"] is None else x["h0"]})
+    torch.testing.assert_close(y, y_pt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h, h_pt, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.double(), y64, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h.double(), h64, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("from_state", [False, True])
+def test_the_ssd_scan_over_time_equals_the_chunked_scan_and_float64(from_state):
+    x, dt, A, B, C, D, h0 = ssd_inputs()
+    h0 = h0 if from_state else None
+    y, last = ssm_samba.ssd_scan_over_time(x, dt, A, B, C, D, h0)
+    y_chunked, last_chunked = ssm_samba.ssd_scan_pytorch(x, dt, A, B, C, D, h0, chunk_size=8)
+    y64, last64 = float64_ssd(x, dt, A, B, C, D, torch.zeros_like(last) if h0 is None else h0)
+    torch.testing.assert_close(y, y_chunked, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last, last_chunked, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y.double(), y64, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last.double(), last64, rtol=1e-4, atol=1e-4)
+
+
+class _Scan(torch.nn.Module):
+    def forward(self, u, dt, A, B, C, D, z, h0):
+        return ssm_samba.selective_scan(u, dt, A, B, C, D, z, h0)  # "auto": the C scan in eager, not while exporting
+
+
+def test_an_exported_scan_is_one_operator_and_runs_at_any_length():
+    x = scan_inputs(seq_len=7)
+    tokens = torch.export.Dim("tokens", min=1, max=4096)
+    per_token = {0: None, 1: tokens}
+    shapes = {"u": per_token, "dt": per_token, "A": None, "B": per_token, "C": per_token, "D": None, "z": per_token}
+    program = torch.export.export(_Scan(), (), x, dynamic_shapes={**shapes, "h0": None})
+    code = program.graph_module.code
+    assert "higher_order.scan" in code and "samba_hf" not in code  # no operator of samba-hf's own
+    for seq_len in (1, 7, 40):
+        x = scan_inputs(seq_len=seq_len, seed=seq_len)
+        y, h = program.module()(**x)
+        y_pt, h_pt = ssm_samba.selective_scan_pytorch(**x)
+        torch.testing.assert_close(y, y_pt, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h, h_pt, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["samba", "sambay"])  # (the Mamba-2 layouts' prefill programs: the test below)
+def test_a_forward_program_runs_at_other_lengths_with_eagers_logits(name):
+    model = layout(name)
+    ids = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    exported = DynamoExporter().export(model, {"input_ids": ids}, DynamoConfig(dynamic=True))
+    assert "samba_hf" not in exported.program.graph_module.code
+    for length in (8, 19, 40):  # past the window (8; SambaY's 4)
+        ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            expected = model(ids).logits
+        torch.testing.assert_close(exported(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)  # other sums
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_generation_programs_give_eagers_greedy_tokens_past_the_window(name):
+    model = layout(name)
+    ids = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    exported = DynamoExporter().export_for_generation(model, inputs, DynamoConfig(dynamic=True))
+    for length in (8, 13):  # the traced prompt's length and another
+        ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=None)
+        assert torch.equal(generate_exported(exported, model.config, ids, 64), expected)
+
+
+def test_generate_exported_names_what_is_wrong():
+    model = layout("samba")
+    ids = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    forward_only = DynamoExporter().export(model, {"input_ids": ids}, DynamoConfig(dynamic=True))
+    with pytest.raises(ValueError, match="no decode, prefill component: export it with export_for_generation"):
+        generate_exported(forward_only, model.config, ids, 4)
+    with pytest.raises(ValueError, match=r"one sequence, input_ids of shape \(1, length\)"):
+        generate_exported(forward_only, model.config, ids.expand(2, -1), 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+        generate_exported(forward_only, model.config, ids, 0)
