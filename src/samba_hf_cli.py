@@ -8,7 +8,7 @@
     samba-hf convert {lit-gpt,fla,mamba,mistral,llama,megatron} SRC OUT [--config NAME_OR_JSON] [--force-config]
                      [--tokenizer PATH] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
                      [--verify | --no-verify] [--push-to-hub REPO] [--force]
-    samba-hf export {lit-gpt,megatron} SRC OUT [--force]
+    samba-hf export {lit-gpt,megatron,executorch} SRC OUT [--force] [--max-seq-len N]
     samba-hf eval passkey [--lengths N,N,..] [--depths D,D,..] [--trials N] [COMMON]
     samba-hf eval phonebook [--lengths N,N,..] [--trials N] [COMMON]
     samba-hf eval perplexity [--text FILE] [--max-tokens N] [--bucket N] [COMMON]
@@ -309,20 +309,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.set_defaults(command_name="convert", check=None)
 
-    exp = commands.add_parser("export", help="write a samba-hf folder back in another implementation's format")
+    exp = commands.add_parser(
+        "export", help="write a samba-hf folder in another implementation's format, or as an ExecuTorch program"
+    )
     exp.add_argument(
         "target",
-        choices=["lit-gpt", "megatron"],
+        choices=["lit-gpt", "megatron", "executorch"],
         help="lit-gpt: the official microsoft/Samba state dict; megatron: Megatron-LM's model_optim_rng.pt "
-        "in the released Mamba layout (bfloat16)",
+        "in the released Mamba layout (bfloat16); executorch: a .pte for ExecuTorch's LLM runner (XNNPACK, "
+        "float32; needs pip install 'samba-hf[export]')",
     )
     exp.add_argument("src", help="a samba-hf model folder")
     exp.add_argument(
         "out",
         help="the file to write: lit-gpt, a .pth ({'model': state_dict}, as the official eval.py "
-        "loads); megatron, e.g. DIR/release/mp_rank_00/model_optim_rng.pt",
+        "loads); megatron, e.g. DIR/release/mp_rank_00/model_optim_rng.pt; executorch, a .pte",
     )
     exp.add_argument("--force", action="store_true", help="replace OUT when it is an earlier export")
+    exp.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=256,
+        metavar="N",
+        help="executorch: the most tokens one call of the program takes (a longer prompt goes in several)",
+    )
     exp.set_defaults(command_name="export", check=None)
 
     ev = commands.add_parser("eval", help="long-context evaluations of any causal LM: passkey, phonebook, perplexity")

@@ -125,3 +125,92 @@ def test_generate_exported_names_what_is_wrong():
         generate_exported(forward_only, model.config, ids.expand(2, -1), 4)
     with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
         generate_exported(forward_only, model.config, ids, 0)
+
+
+def greedy_on_device(program, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy tokens from a `SambaOnDevice` program (or its exported module): the prompt in one call, then a token
+    per call, as ExecuTorch's LLM runner calls it."""
+    with torch.no_grad():
+        tokens = [program(ids, torch.tensor([0]))[0, -1].argmax()]
+        for i in range(new_tokens - 1):
+            tokens.append(program(tokens[-1].view(1, 1), torch.tensor([ids.shape[1] + i]))[0, -1].argmax())
+    return torch.cat([ids[0], torch.stack(tokens)])[None]
+
+
+@pytest.mark.parametrize("name", ["samba", "megatron", "samba2"])
+def test_the_on_device_program_gives_eagers_greedy_tokens_in_eager_and_exported(name):
+    """The state in fixed buffers (`SambaOnDevice`): eager's 64 greedy tokens past the window, for prompts longer and
+    shorter than the window, one text after another in the same program (a call at position 0 starts a new one);
+    the same from its torch.export program, traced once at 8 tokens."""
+    from samba_hf.on_device import SambaOnDevice
+
+    model = layout(name)
+    program = SambaOnDevice(model, max_context_len=96).eval()
+    tokens = torch.export.Dim("tokens", min=1, max=64)
+    example = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    with torch.no_grad():
+        exported = torch.export.export(
+            program, example, dynamic_shapes=({1: tokens}, None), prefer_deferred_runtime_asserts_over_guards=True
+        )
+    assert "samba_hf" not in exported.graph_module.code
+    for length in (13, 3, 8):  # longer than the window (8), shorter, equal
+        ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
+        assert torch.equal(greedy_on_device(program, ids, 32), expected)
+        assert torch.equal(greedy_on_device(exported.module(), ids, 32), expected)
+
+
+def test_the_on_device_program_refuses_sambay_in_one_line():
+    from samba_hf.on_device import SambaOnDevice
+
+    with pytest.raises(ValueError, match="not 'phi4flash'.*shares, which this program does not hold yet"):
+        SambaOnDevice(layout("sambay"), max_context_len=64)
+
+
+def test_ring_writes_name_the_last_position_at_each_slot():
+    from samba_hf.on_device import ring_writes
+
+    take, index = ring_writes(torch.arange(5, 16), 4)  # positions 5..15 into 4 slots: 12, 13, 14, 15
+    assert take.tolist() == [True] * 4 and (torch.arange(5, 16)[index]).tolist() == [12, 13, 14, 15]
+    take, index = ring_writes(torch.arange(9, 11), 4)  # 9 -> slot 1, 10 -> slot 2
+    assert take.tolist() == [False, True, True, False] and index[take].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["export", "executorch", "DEFAULT", "model.onnx"], ["an ExecuTorch program is a .pte file"]),
+        (["export", "executorch", "DEFAULT", "/no/such/folder/model.pte"], ["the folder '/no/such/folder' does not"]),
+        (["export", "executorch", "DEFAULT", "EXISTING"], ["exists: pass --force to replace it"]),
+        (["export", "executorch", "DEFAULT", "model.pte", "--max-seq-len", "0"], ["--max-seq-len takes 1 to 65536"]),
+        (["export", "executorch", "/no/such/model", "model.pte"], ["no such model folder"]),
+    ],
+)
+def test_export_executorch_mistakes_are_one_line_and_write_nothing(argv, fragments, capsys, tmp_path, monkeypatch):
+    from test_cli import one_line_error
+
+    from samba_hf.cli import default_model_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "existing.pte").write_bytes(b"not ours")
+    argv = [default_model_path() if a == "DEFAULT" else "existing.pte" if a == "EXISTING" else a for a in argv]
+    one_line_error(capsys, argv, *fragments)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing.pte"]
+    assert (tmp_path / "existing.pte").read_bytes() == b"not ours"
+
+
+def test_export_executorch_without_executorch_names_the_extra(capsys, tmp_path, monkeypatch):
+    import sys
+
+    from test_cli import one_line_error
+
+    from samba_hf.cli import default_model_path
+
+    monkeypatch.setitem(sys.modules, "executorch", None)  # (`import executorch` raises ImportError)
+    one_line_error(
+        capsys,
+        ["export", "executorch", default_model_path(), str(tmp_path / "model.pte")],
+        "needs ExecuTorch: pip install 'samba-hf[export]'",
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -57,3 +57,48 @@ def test_generation_programs_give_eagers_greedy_tokens_past_the_window(backend, 
         with torch.no_grad():
             expected = model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=None)
         assert torch.equal(generate_exported(exported, model.config, ids, 64), expected)
+
+
+@pytest.mark.parametrize("name", ["samba", "megatron"])
+def test_the_on_device_pte_gives_eagers_greedy_tokens(name, tmp_path):
+    """`export_executorch`'s program in ExecuTorch's runtime, a call per token as its LLM runner makes them:
+    eager's greedy tokens past the window, for prompts longer and shorter than the window, one text after another."""
+    from executorch.runtime import Runtime
+    from test_export import greedy_on_device
+
+    from samba_hf.on_device import export_executorch
+
+    model = layout(name)
+    path = export_executorch(model, tmp_path / "model.pte", max_seq_len=32, max_context_len=96)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pte"]  # (no partial file left beside it)
+    program = Runtime.get().load_program(str(path))  # (kept: the method reads the program's memory)
+    method = program.load_method("forward")
+    for length in (13, 3):
+        ids = prompt(model, length)
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
+        assert torch.equal(greedy_on_device(lambda *inputs: method.execute(list(inputs))[0], ids, 32), expected)
+
+
+def test_executorchs_own_llm_runner_generates_the_embedded_defaults_greedy_text(tmp_path):
+    """ExecuTorch's TextLLMRunner (what its apps run) on the embedded default's program and its tokenizer.json: the
+    text of eager greedy decoding, 48 tokens."""
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from samba_hf.cli import default_model_path
+    from samba_hf.on_device import export_executorch
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    path = export_executorch(model, tmp_path / "default.pte", max_seq_len=64)
+    text = "Samba is a hybrid model that"
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=None)[0, ids.shape[1] :]
+    pieces = []
+    runner = TextLLMRunner(str(path), f"{default_model_path()}/tokenizer.json")
+    runner.generate(
+        text, GenerationConfig(echo=False, max_new_tokens=48, temperature=0.0), token_callback=pieces.append
+    )
+    assert "".join(pieces) == tokenizer.decode(expected)

@@ -457,6 +457,8 @@ def convert(args) -> int:
 
 
 def export(args) -> int:
+    if args.target == "executorch":
+        return export_executorch_program(args)
     from .conversion import ConversionError, export_lit_gpt, export_megatron
 
     try:
@@ -477,6 +479,51 @@ def export(args) -> int:
     hint = f"--model_name {name}" if name else "a lit_gpt Config with the sizes in the source config.json"
     print(
         f"samba-hf: wrote {result['out']} (official layout; load it in microsoft/Samba with {hint})", file=sys.stderr
+    )
+    return 0
+
+
+def export_executorch_program(args) -> int:
+    """`samba-hf export executorch SRC OUT.pte`: the model as a program for ExecuTorch's LLM runner
+    (`on_device.export_executorch`), float32, written whole or not at all."""
+    out = os.path.abspath(args.out)
+    if not out.endswith(".pte"):
+        raise UserError(f"{args.out!r}: an ExecuTorch program is a .pte file; name OUT so, e.g. model.pte")
+    if not os.path.isdir(os.path.dirname(out)):
+        raise UserError(f"the folder {os.path.dirname(out)!r} does not exist: create it, or write OUT elsewhere")
+    if os.path.isdir(out):
+        raise UserError(f"{args.out!r} is a folder; OUT is the .pte file to write")
+    if os.path.exists(out) and not args.force:
+        raise UserError(f"{args.out!r} exists: pass --force to replace it")
+    if not 1 <= args.max_seq_len <= 65536:
+        raise UserError(f"--max-seq-len takes 1 to 65536 tokens, got {args.max_seq_len}")
+    if not os.path.isdir(args.src):
+        raise UserError(
+            f"no such model folder: {args.src!r}"
+            if not os.path.exists(args.src)
+            else f"{args.src!r} is a file; SRC takes a model folder (config.json, weights, tokenizer)"
+        )
+    try:
+        import executorch  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "export executorch needs ExecuTorch: pip install 'samba-hf[export]' (or pip install executorch)"
+        )
+    import torch
+
+    from .on_device import export_executorch
+
+    _, model = load(args.src, None, torch.device("cpu"), torch.float32, flag="SRC")
+    if model.config.model_type != "samba":
+        raise UserError(
+            f"{args.src!r} is a {model.config.model_type!r} model: ExecuTorch programs take Samba's layouts "
+            "(Samba, Samba with Mamba-2, the Mamba-2-Hybrid layout) so far, not SambaY's shared key/value cache"
+        )
+    export_executorch(model, out, max_seq_len=args.max_seq_len)
+    size = os.path.getsize(out) / 2**20
+    print(
+        f"samba-hf: wrote {args.out} ({size:.1f} MiB; for ExecuTorch's LLM runner, with the folder's tokenizer.json)",
+        file=sys.stderr,
     )
     return 0
 
