@@ -7,6 +7,7 @@ window (`samba_hf.exported_generation`)."""
 import os
 
 import pytest
+import test_export
 import torch
 from test_export import layout
 
@@ -102,3 +103,14 @@ def test_executorchs_own_llm_runner_generates_the_embedded_defaults_greedy_text(
         text, GenerationConfig(echo=False, max_new_tokens=48, temperature=0.0), token_callback=pieces.append
     )
     assert "".join(pieces) == tokenizer.decode(expected)
+
+
+# The main suite's torch.export tests on the layouts it leaves to this stage (its time budget): the prefill + decode
+# programs of SambaY, Samba with Mamba-2 and the Mamba-2-Hybrid layout; the on-device program of Samba with Mamba-2.
+@pytest.mark.parametrize("name", ["sambay", "samba2", "megatron"])
+def test_torch_export_generation_programs_on_the_other_layouts(name):
+    test_export.test_generation_programs_give_eagers_greedy_tokens_past_the_window(name)
+
+
+def test_torch_export_on_device_program_of_samba_with_mamba2():
+    test_export.test_the_on_device_program_gives_eagers_greedy_tokens_in_eager_and_exported("samba2")
