@@ -57,6 +57,23 @@ def run_by_ci(language: str, body: str) -> bool:
     return install or tests
 
 
+def run_by_the_multiprocess_tests(language: str, body: str) -> bool:
+    """The fine-tuning page's commands of examples/finetune.py on one process and two (`accelerate launch`): the
+    same script with the same options runs in tests/test_multiprocess.py (DDP) and tests/test_fsdp.py (FSDP2, its
+    bf16 policy), on a tiny model, against one process's losses and weights; here they would only repeat that on the
+    embedded default, for half a minute of the suite."""
+    lines = [line for line in body.splitlines() if line.strip()]
+    return (
+        language == "bash"
+        and any(line.startswith("accelerate launch") for line in lines)
+        and all(
+            line.startswith(("python examples/finetune.py ", "accelerate launch --multi_gpu --num_processes 2 "))
+            and "examples/finetune.py" in line
+            for line in lines
+        )
+    )
+
+
 def in_vllm_environment(language: str, body: str) -> bool:
     """Blocks for vLLM's environment (its install, its commands, its test command): the plugin's tests run them."""
     return language == "bash" and (
@@ -73,7 +90,10 @@ RUNNABLE = [
     (page, language, line, body)
     for page in PAGES
     for language, line, body in BLOCKS[page]
-    if language in RUN and not run_by_ci(language, body) and not in_vllm_environment(language, body)
+    if language in RUN
+    and not run_by_ci(language, body)
+    and not in_vllm_environment(language, body)
+    and not run_by_the_multiprocess_tests(language, body)
 ]
 
 
@@ -93,6 +113,13 @@ def test_every_block_is_run_or_marked_as_output():
         f"only README's first two blocks may be left to CI, not {left_to_ci}"
     )
     assert len(PAGES) >= 10 and len(RUNNABLE) >= 15, [(name(p), line) for p, _, line, _ in RUNNABLE]
+    left_to_tests = [
+        name(page)
+        for page in PAGES
+        for language, _, body in BLOCKS[page]
+        if run_by_the_multiprocess_tests(language, body)
+    ]
+    assert left_to_tests == ["docs/fine-tuning.md", "docs/fine-tuning.md"], left_to_tests
 
 
 @pytest.fixture(scope="session")

@@ -4,14 +4,15 @@ buffers the program updates in place.
 ExecuTorch's LLM runner (and any loop like it) calls a program's `forward` with the prompt's tokens and their
 positions, then one token at a time, and keeps no cache itself: the program holds it. `SambaOnDevice` holds samba-hf's
 state as module buffers of fixed size (batch 1):
-- a Mamba or Mamba-2 layer: its conv window (the last `d_conv - 1` inputs) and its SSM state, float32;
+- a Mamba or Mamba-2 layer: its conv window (the last `d_conv - 1` inputs, in the model's dtype) and its SSM state
+  (float32);
 - a sliding-window layer: a ring of `sliding_window` key and value positions, and the position each slot holds
   (-1: empty);
 - a full-attention layer: `max_context_len` key and value positions, written at their position.
 A forward whose first position is 0 starts a new text: every state is cleared first (by arithmetic, not a branch,
 so the program has one path). The masks are made from the positions alone. The sizes never change, so a program's
-memory is what it is at its first call, whatever the length of the text (less `max_seq_len`'s full-attention
-layers, where a layout has them).
+memory is what it is at its first call, whatever the length of the text (up to `max_context_len` positions for a
+layout with full-attention layers).
 
 `export_executorch` writes it as an ExecuTorch program (XNNPACK) with the metadata methods ExecuTorch's LLM runner
 reads (`TextLLMRunner`, and its C++ runner on a phone).
