@@ -189,7 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="continue a prompt, streaming the tokens as they come")
     gen.add_argument("prompt", help="the text to continue")
-    gen.add_argument("--model", default=None, help="a Samba model folder or Hub name (default: the embedded model)")
+    gen.add_argument(
+        "--model",
+        default=None,
+        help="a Samba model folder or Hub name (default: the embedded model), or a .pte written by samba-hf export "
+        "executorch (run by ExecuTorch's LLM runner; give --tokenizer)",
+    )
     gen.add_argument(
         "--tokenizer",
         default=None,

@@ -216,3 +216,31 @@ def test_export_executorch_without_executorch_names_the_extra(capsys, tmp_path, 
         "needs ExecuTorch: pip install 'samba-hf[export]'",
     )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["--model", "missing.pte"], ["no such file: 'missing.pte'"]),
+        (["--model", "model.pte"], ["a .pte holds no tokenizer: pass --tokenizer"]),
+        (["--model", "model.pte", "--tokenizer", "."], ["no tokenizer.json at '.'"]),
+        (["--model", "model.pte", "--chat"], ["--chat: a .pte runs as it was exported"]),
+        (["--model", "model.pte", "--dtype", "bfloat16"], ["--dtype bfloat16: a .pte runs as it was exported"]),
+        (
+            ["--model", "model.pte", "--tokenizer", "DEFAULT"],
+            ["a .pte runs in ExecuTorch: pip install 'samba-hf[export]'"],
+        ),
+    ],
+)
+def test_generate_from_a_pte_mistakes_are_one_line(extra, fragments, capsys, tmp_path, monkeypatch):
+    import sys
+
+    from test_cli import one_line_error
+
+    from samba_hf.cli import default_model_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "executorch", None)  # (where it is installed too: the last case's line)
+    (tmp_path / "model.pte").write_bytes(b"a program")
+    extra = [default_model_path() if a == "DEFAULT" else a for a in extra]
+    one_line_error(capsys, ["generate", "Samba is", *extra], *fragments)

@@ -81,9 +81,9 @@ def test_the_on_device_pte_gives_eagers_greedy_tokens(name, tmp_path):
         assert torch.equal(greedy_on_device(lambda *inputs: method.execute(list(inputs))[0], ids, 32), expected)
 
 
-def test_executorchs_own_llm_runner_generates_the_embedded_defaults_greedy_text(tmp_path):
+def test_executorchs_own_llm_runner_generates_the_embedded_defaults_greedy_text(tmp_path, capfd):
     """ExecuTorch's TextLLMRunner (what its apps run) on the embedded default's program and its tokenizer.json: the
-    text of eager greedy decoding, 48 tokens."""
+    text of eager greedy decoding, 48 tokens; and `samba-hf generate --model MODEL.pte` prints it."""
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,6 +103,13 @@ def test_executorchs_own_llm_runner_generates_the_embedded_defaults_greedy_text(
         text, GenerationConfig(echo=False, max_new_tokens=48, temperature=0.0), token_callback=pieces.append
     )
     assert "".join(pieces) == tokenizer.decode(expected)
+    # the same through the command line (samba-hf generate --model MODEL.pte), which streams the runner's text
+    from samba_hf_cli import main
+
+    capfd.readouterr()
+    argv = ["generate", text, "--model", str(path), "--tokenizer", default_model_path(), "--max-new-tokens", "48"]
+    assert main(argv) == 0
+    assert capfd.readouterr().out == text + tokenizer.decode(expected) + "\n"
 
 
 # The main suite's torch.export tests on the layouts it leaves to this stage (its time budget): the prefill + decode

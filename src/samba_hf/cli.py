@@ -278,6 +278,8 @@ def max_prompt_tokens(config) -> int | None:
 
 
 def generate(args) -> int:
+    if args.model is not None and args.model.endswith(".pte"):
+        return generate_from_pte(args)
     import torch
 
     device = resolve_device(args.device)
@@ -480,6 +482,88 @@ def export(args) -> int:
     print(
         f"samba-hf: wrote {result['out']} (official layout; load it in microsoft/Samba with {hint})", file=sys.stderr
     )
+    return 0
+
+
+# generate's options a .pte (samba-hf export executorch) cannot take: its program is fixed when written
+PTE_FIXED = {
+    "--chat": "chat",
+    "--prompt-lookup": "prompt_lookup",
+    "--assistant": "assistant",
+    "--compile": "compile",
+    "--quantize": "quantize",
+    "--top-k": "top_k",
+    "--top-p": "top_p",
+    "--seed": "seed",
+}
+
+
+def generate_from_pte(args) -> int:
+    """`samba-hf generate PROMPT --model MODEL.pte --tokenizer FOLDER`: ExecuTorch's own LLM runner on a program of
+    `samba-hf export executorch`, greedy (or sampled at --temperature), the text streamed as `generate` streams it."""
+    given = [flag for flag, name in PTE_FIXED.items() if getattr(args, name, None) not in (None, False)]
+    given += [
+        f"--{name} {getattr(args, name)}"
+        for name in ("dtype", "device", "kernels")
+        if getattr(args, name) not in ("auto", "cpu")
+    ]
+    if given:
+        raise UserError(
+            f"{', '.join(given)}: a .pte runs as it was exported (float32, on the CPU, greedy or sampled at "
+            "--temperature); leave that out, or give the model's folder instead of its .pte"
+        )
+    if not os.path.isfile(args.model):
+        raise UserError(f"no such file: {args.model!r} (a .pte written by samba-hf export executorch)")
+    tokenizer = args.tokenizer
+    if tokenizer is None:
+        raise UserError("a .pte holds no tokenizer: pass --tokenizer, the model's folder (or its tokenizer.json)")
+    if os.path.isdir(tokenizer):
+        tokenizer = os.path.join(tokenizer, "tokenizer.json")
+    if not os.path.isfile(tokenizer):
+        raise UserError(f"no tokenizer.json at {args.tokenizer!r}: pass the model's folder or its tokenizer.json")
+    try:
+        from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+    except ImportError:
+        raise UserError("a .pte runs in ExecuTorch: pip install 'samba-hf[export]' (or pip install executorch)")
+    temperature = (args.temperature if args.temperature is not None else 1.0) if args.do_sample else 0.0
+    config = GenerationConfig(echo=False, max_new_tokens=args.max_new_tokens, temperature=temperature)
+    stats = []
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the runner prints its logs, every token and its statistics itself (C's stdout and stderr): quiet while it
+    # loads and runs, the text streamed to the real stdout through its callback
+    out, err, quiet = os.dup(1), os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    try:
+        try:
+            runner = TextLLMRunner(args.model, tokenizer)
+        except RuntimeError as error:
+            raise UserError(f"ExecuTorch cannot load {args.model!r} with {tokenizer!r}: {_first_line(error)}")
+        try:
+            runner.generate(
+                args.prompt,
+                config,
+                token_callback=lambda piece: os.write(out, piece.encode()),
+                stats_callback=stats.append,
+            )
+        except RuntimeError as error:
+            raise UserError(f"ExecuTorch could not run {args.model!r}: {_first_line(error)}")
+    finally:
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for fd in (out, err, quiet):
+            os.close(fd)
+    sys.stdout.write("\n")
+    if stats:
+        s = stats[-1]
+        seconds = max(s.inference_end_ms - s.inference_start_ms, 1) / 1e3
+        print(
+            f"samba-hf: {s.num_generated_tokens} new tokens from a {s.num_prompt_tokens}-token prompt in "
+            f"{seconds:.2f} s ({s.num_generated_tokens / seconds:.1f} tokens/s, ExecuTorch)",
+            file=sys.stderr,
+        )
     return 0
 
 
