@@ -226,27 +226,14 @@ def checks(dtype: torch.dtype, context: int, steps: int) -> dict:
 
 def overhead(dtype: torch.dtype, repeats: int, tokens: int = 200) -> dict:
     """ms a token: generate, the forward alone, the linears' products within it (part 5 of the docstring)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+    from speculative import default_size_models
+    from transformers import DynamicCache
 
     from samba_hf import linear_samba
     from samba_hf.cli import default_model_path
 
-    c = AutoConfig.from_pretrained(default_model_path())
-    torch.manual_seed(0)
-    llama_config = LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=797,  # as many parameters as the default (vllm_serving.LLAMA_MLP)
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        tie_word_embeddings=True,
-    )
-    models = {
-        "samba": AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=dtype).eval(),
-        "llama": LlamaForCausalLM(llama_config).to(dtype).eval(),
-    }
+    models = default_size_models(default_model_path(), dtype)
+    vocab = models["samba"].config.vocab_size
     spent, depth = [0.0], [0]
     originals = {cls: cls.forward for cls in (torch.nn.Linear, linear_samba.SambaLinear)}
 
@@ -263,7 +250,7 @@ def overhead(dtype: torch.dtype, repeats: int, tokens: int = 200) -> dict:
 
         return forward
 
-    ids = torch.randint(4, c.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(4, vocab, (1, 5), generator=torch.Generator().manual_seed(0))
     options = dict(
         attention_mask=torch.ones_like(ids),
         max_new_tokens=tokens,

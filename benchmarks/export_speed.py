@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_serving import machine  # noqa: E402
+from vllm_serving import run_record  # noqa: E402
 
 PROMPT = "Samba is a hybrid model that"
 
@@ -72,11 +72,7 @@ def main():
                     (s.num_generated_tokens - 1) / max(s.inference_end_ms - s.prompt_eval_end_ms, 1) * 1e3
                 )
         result = {
-            "machine": machine(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "command": " ".join(["python", *sys.argv]),
-            "date": time.strftime("%Y-%m-%d"),
+            **run_record(),
             "pte_bytes": pte.stat().st_size,
             "export_seconds": export_seconds,
             "eager_generate_tokens_per_s": statistics.median(eager),

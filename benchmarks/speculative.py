@@ -30,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from vllm_serving import machine  # noqa: E402
+from vllm_serving import run_record  # noqa: E402
 
 
 def tasks(tokenizer) -> dict[str, torch.Tensor]:
@@ -174,24 +174,29 @@ def replay_part(args, trace, prompt_length: int, models: dict) -> dict:
     return results
 
 
-def default_size_models(model_path):
+def default_size_models(model_path, dtype: torch.dtype = torch.float32):
+    """The embedded default in `dtype` (what it keeps in float32 stays so) and a Llama of its shape and size."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     c = AutoConfig.from_pretrained(model_path)
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=c.vocab_size,
-            hidden_size=c.hidden_size,
-            intermediate_size=797,
-            num_hidden_layers=c.num_hidden_layers,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            tie_word_embeddings=True,
+    llama = (
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=c.vocab_size,
+                hidden_size=c.hidden_size,
+                intermediate_size=797,
+                num_hidden_layers=c.num_hidden_layers,
+                num_attention_heads=c.num_attention_heads,
+                num_key_value_heads=c.num_key_value_heads,
+                head_dim=c.head_dim,
+                tie_word_embeddings=True,
+            )
         )
-    ).eval()
-    samba = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        .to(dtype)
+        .eval()
+    )
+    samba = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     return {"samba": samba, "llama": llama}
 
 
@@ -212,14 +217,7 @@ def main():
 
     model_path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    result = {
-        "machine": machine(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "command": " ".join(["python", *sys.argv]),
-        "date": time.strftime("%Y-%m-%d"),
-        "args": vars(args),
-    }
+    result = {**run_record(), "args": vars(args)}
     if "generate" in parts:
         result["generate"] = generate_part(args, tokenizer, model_path)
         print(

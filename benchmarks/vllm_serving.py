@@ -32,6 +32,19 @@ ROOT = Path(__file__).resolve().parents[1]
 LLAMA_MLP = 797  # with this MLP width a Llama of the default model's shape has exactly its parameter count
 
 
+def run_record() -> dict:
+    """What a benchmark's JSON begins with: the machine, torch and its threads, the command as run, the date."""
+    import torch
+
+    return {
+        "machine": machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "command": " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
 def machine() -> str:
     model, flags = platform.processor(), set()
     try:

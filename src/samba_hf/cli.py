@@ -157,12 +157,7 @@ def load(
     path = model_arg or default_model_path(default)
     local = os.path.isdir(path)
     if not local and (not _looks_like_hub_name(path) or os.path.exists(path)):
-        # a path (not an "org/name" Hub id) that is not a folder
-        raise UserError(
-            f"no such model folder: {path!r}"
-            if not os.path.exists(path)
-            else f"{path!r} is a file; {flag} takes a model folder (config.json, weights, tokenizer)"
-        )
+        raise _not_a_model_folder(path, flag)  # a path (not an "org/name" Hub id) that is not a folder
     samba_folder = local and (not any_model or _folder_model_type(path) in model_classes())
     try:
         config = read_config(path) if samba_folder else None  # what is wrong with config.json is said first
@@ -200,6 +195,14 @@ def load(
         except ValueError as error:
             raise UserError(f"--kernels {kernels}: {error}")
     return tokenizer, model
+
+
+def _not_a_model_folder(path: str, flag: str) -> UserError:
+    return UserError(
+        f"no such model folder: {path!r}"
+        if not os.path.exists(path)
+        else f"{path!r} is a file; {flag} takes a model folder (config.json, weights, tokenizer)"
+    )
 
 
 def quantize_int8(model):
@@ -581,12 +584,8 @@ def export_executorch_program(args) -> int:
         raise UserError(f"{args.out!r} exists: pass --force to replace it")
     if not 1 <= args.max_seq_len <= 65536:
         raise UserError(f"--max-seq-len takes 1 to 65536 tokens, got {args.max_seq_len}")
-    if not os.path.isdir(args.src):
-        raise UserError(
-            f"no such model folder: {args.src!r}"
-            if not os.path.exists(args.src)
-            else f"{args.src!r} is a file; SRC takes a model folder (config.json, weights, tokenizer)"
-        )
+    if not os.path.isdir(args.src):  # (before ExecuTorch is looked for; `load` reads the folder after)
+        raise _not_a_model_folder(args.src, "SRC")
     try:
         import executorch  # noqa: F401
     except ImportError:

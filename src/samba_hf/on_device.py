@@ -37,8 +37,8 @@ class OnDeviceCache(Cache):
     """The cache a `SambaOnDevice` forward hands the model: views of the program's buffers, updated in place. What
     the mixers and attention layers ask of a cache, answered from them."""
 
-    def __init__(self, program: "SambaOnDevice", input_pos: torch.Tensor):
-        self.program, self.input_pos = program, input_pos
+    def __init__(self, program: "SambaOnDevice", input_pos: torch.Tensor, ring: tuple[torch.Tensor, torch.Tensor]):
+        self.program, self.input_pos, self.ring = program, input_pos, ring  # ring: `ring_writes` of this input
         # empty layers of each kind, for the checks that read a cache's layout; the state is the program's
         self.layers = [_EMPTY_LAYERS[kind](program.model.config) for kind in program.model.config.layer_types]
         self.layer_class_to_replicate, self.offloading = None, False
@@ -77,7 +77,7 @@ class OnDeviceCache(Cache):
         keys, values = getattr(self.program, f"keys_{layer_idx}"), getattr(self.program, f"values_{layer_idx}")
         full_keys, full_values = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
         if self.program.is_sliding[layer_idx]:
-            take, index = ring_writes(self.input_pos, keys.shape[-2])
+            take, index = self.ring
             keys.copy_(torch.where(take[:, None], key_states[0].index_select(-2, index), keys[0])[None])
             values.copy_(torch.where(take[:, None], value_states[0].index_select(-2, index), values[0])[None])
         else:
@@ -141,10 +141,10 @@ class SambaOnDevice(nn.Module):
         token's logits (1, 1, vocab), as ExecuTorch's LLM runner reads them."""
         input_pos = input_pos[:1] + torch.arange(tokens.shape[1], device=tokens.device)  # (seq,)
         keep = (input_pos[0] > 0).to(torch.float32)  # 0 at a new text's first call: clear every state
-        for name, buffer in self.named_buffers():
+        for name, buffer in self.named_buffers(recurse=False):  # (the state, not the model's own buffers)
             if name.endswith("_positions"):
                 buffer.copy_(torch.where(keep > 0, buffer, torch.full_like(buffer, -1)))
-            elif not name.startswith("model."):
+            else:
                 buffer.mul_(keep.to(buffer.dtype))
         masks = {"linear_attention": None}
         queries = input_pos[:, None]  # (seq, 1)
@@ -155,7 +155,8 @@ class SambaOnDevice(nn.Module):
         if not all(self.is_sliding.values()):
             keys = torch.cat([self.full_positions, input_pos])[None, :]
             masks["full_attention"] = ((keys >= 0) & (keys <= queries))[None, None]
-        cache = OnDeviceCache(self, input_pos)
+        ring = ring_writes(input_pos, self.window_positions.shape[0])  # every sliding layer's, and the positions'
+        cache = OnDeviceCache(self, input_pos, ring)
         logits = self.model(
             input_ids=tokens,
             position_ids=input_pos[None],
@@ -165,7 +166,7 @@ class SambaOnDevice(nn.Module):
             logits_to_keep=1,
         ).logits
         # the positions each slot now holds (the layers wrote their keys and values there)
-        take, index = ring_writes(input_pos, self.window_positions.shape[0])
+        take, index = ring
         self.window_positions.copy_(torch.where(take, input_pos.index_select(0, index), self.window_positions))
         if not all(self.is_sliding.values()):
             self.full_positions.index_copy_(0, input_pos, input_pos)
