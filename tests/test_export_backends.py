@@ -121,3 +121,18 @@ def test_torch_export_generation_programs_on_the_other_layouts(name):
 
 def test_torch_export_on_device_program_of_samba_with_mamba2():
     test_export.test_the_on_device_program_gives_eagers_greedy_tokens_in_eager_and_exported("samba2")
+
+
+def test_an_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C while the .pte is being put in place: no file under OUT, no partial file beside it."""
+    import os
+
+    from samba_hf.on_device import export_executorch
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_executorch(layout("samba"), tmp_path / "model.pte", max_seq_len=16, max_context_len=32)
+    assert list(tmp_path.iterdir()) == []
