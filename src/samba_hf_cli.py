@@ -8,7 +8,8 @@
     samba-hf convert {lit-gpt,fla,mamba,mistral,llama,megatron} SRC OUT [--config NAME_OR_JSON] [--force-config]
                      [--tokenizer PATH] [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
                      [--verify | --no-verify] [--push-to-hub REPO] [--force]
-    samba-hf export {lit-gpt,megatron,executorch} SRC OUT [--force] [--max-seq-len N]
+    samba-hf export {lit-gpt,megatron,executorch} SRC OUT [--force]
+                    [--max-seq-len N] [--max-context-len N] [--quantize 8da4w]      (executorch)
     samba-hf eval passkey [--lengths N,N,..] [--depths D,D,..] [--trials N] [COMMON]
     samba-hf eval phonebook [--lengths N,N,..] [--trials N] [COMMON]
     samba-hf eval perplexity [--text FILE] [--max-tokens N] [--bucket N] [COMMON]
@@ -322,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["lit-gpt", "megatron", "executorch"],
         help="lit-gpt: the official microsoft/Samba state dict; megatron: Megatron-LM's model_optim_rng.pt "
         "in the released Mamba layout (bfloat16); executorch: a .pte for ExecuTorch's LLM runner (XNNPACK, "
-        "float32; needs pip install 'samba-hf[export]')",
+        "float32 or --quantize 8da4w; needs pip install 'samba-hf[export]')",
     )
     exp.add_argument("src", help="a samba-hf model folder")
     exp.add_argument(
@@ -334,9 +335,26 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument(
         "--max-seq-len",
         type=int,
-        default=256,
+        default=None,
         metavar="N",
-        help="executorch: the most tokens one call of the program takes (a longer prompt goes in several)",
+        help="executorch: the most tokens one call of the program takes (a longer prompt goes in several; "
+        "default 128)",
+    )
+    exp.add_argument(
+        "--max-context-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="executorch: the longest text, for layouts with full-attention layers (SambaY, the Mamba-2-Hybrid "
+        "layout), whose keys and values the program holds for every position (default 4096); Samba's own layouts "
+        "take any length",
+    )
+    exp.add_argument(
+        "--quantize",
+        choices=["8da4w"],
+        default=None,
+        help="executorch: 8da4w, the linear layers with 8-bit dynamic activations and 4-bit weights in groups of "
+        "32 (torchao; the embedding stays float32)",
     )
     exp.set_defaults(command_name="export", check=None)
 

@@ -139,16 +139,17 @@ def greedy_on_device(program, ids: torch.Tensor, new_tokens: int) -> torch.Tenso
     return torch.cat([ids[0], torch.stack(tokens)])[None]
 
 
-@pytest.mark.parametrize("name", ["samba", "megatron"])  # (Samba with Mamba-2: the export stage)
+@pytest.mark.parametrize("name", ["samba", "sambay"])  # (Samba with Mamba-2, Mamba-2-Hybrid: the export stage)
 def test_the_on_device_program_gives_eagers_greedy_tokens_in_eager_and_exported(name):
-    """The state in fixed buffers (`SambaOnDevice`): eager's 64 greedy tokens past the window, for prompts longer and
-    shorter than the window, one text after another in the same program (a call at position 0 starts a new one);
-    the same from its torch.export program, traced once at 8 tokens."""
+    """The state in fixed buffers (`SambaOnDevice`; SambaY's shared keys and values included): eager's 32 greedy
+    tokens past the window, for prompts longer and shorter than the window, one text after another in the same
+    program (a call at position 0 starts a new one); the same from its torch.export program, traced once at 8
+    tokens."""
     from samba_hf.on_device import SambaOnDevice
 
     model = layout(name)
-    program = SambaOnDevice(model, max_context_len=96).eval()
-    tokens = torch.export.Dim("tokens", min=1, max=64)
+    program = SambaOnDevice(model, max_context_len=96, max_seq_len=16).eval()
+    tokens = torch.export.Dim("tokens", min=1, max=16)
     example = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     with torch.no_grad():
         exported = torch.export.export(
@@ -163,20 +164,37 @@ def test_the_on_device_program_gives_eagers_greedy_tokens_in_eager_and_exported(
         assert torch.equal(greedy_on_device(exported.module(), ids, 32), expected)
 
 
-def test_the_on_device_program_refuses_sambay_in_one_line():
+def test_the_on_device_program_refuses_calls_beyond_its_sizes_in_one_line():
     from samba_hf.on_device import SambaOnDevice
 
-    with pytest.raises(ValueError, match="not 'phi4flash'.*shares, which this program does not hold yet"):
-        SambaOnDevice(layout("sambay"), max_context_len=64)
+    program = SambaOnDevice(layout("megatron"), max_context_len=32, max_seq_len=8).eval()
+    with pytest.raises(ValueError, match=r"1 to max_seq_len=8 tokens, \(1, seq\), not \(1, 9\): give a longer"):
+        program(torch.zeros(1, 9, dtype=torch.long), torch.tensor([0]))
+    with pytest.raises(ValueError, match="position 32 is past max_context_len=32.*with a larger max_context_len"):
+        program(torch.zeros(1, 1, dtype=torch.long), torch.tensor([32]))
 
 
-def test_ring_writes_name_the_last_position_at_each_slot():
-    from samba_hf.on_device import ring_writes
+@pytest.mark.parametrize("values_width", [1, 2])  # SambaY's differential attention reads values twice as wide
+def test_slot_attention_equals_transformers_eager_attention(values_width):
+    """The on-device attention (grouped heads shared by reshaping the queries, the mask added) against transformers'
+    eager attention (every key/value head copied per query head, `repeat_kv`) under the same mask."""
+    from types import SimpleNamespace
 
-    take, index = ring_writes(torch.arange(5, 16), 4)  # positions 5..15 into 4 slots: 12, 13, 14, 15
-    assert take.tolist() == [True] * 4 and (torch.arange(5, 16)[index]).tolist() == [12, 13, 14, 15]
-    take, index = ring_writes(torch.arange(9, 11), 4)  # 9 -> slot 1, 10 -> slot 2
-    assert take.tolist() == [False, True, True, False] and index[take].tolist() == [0, 1]
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from samba_hf.attention_samba import SlotMask, slot_attention
+
+    g = torch.Generator().manual_seed(0)
+    query, key = torch.randn(1, 6, 5, 8, generator=g), torch.randn(1, 2, 11, 8, generator=g)
+    value = torch.randn(1, 2, 11, 8 * values_width, generator=g)
+    visible = torch.rand(1, 1, 5, 11, generator=g) > 0.4
+    visible[..., 0] = True  # (every query sees a slot)
+    module = SimpleNamespace(num_key_value_groups=3, training=False)
+    expected, _ = eager_attention_forward(
+        module, query, key, value, torch.zeros(visible.shape).masked_fill(~visible, float("-inf")), scaling=0.3
+    )
+    output, _ = slot_attention(module, query, key, value, SlotMask(visible), scaling=0.3)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -187,6 +205,18 @@ def test_ring_writes_name_the_last_position_at_each_slot():
         (["export", "executorch", "DEFAULT", "EXISTING"], ["exists: pass --force to replace it"]),
         (["export", "executorch", "DEFAULT", "model.pte", "--max-seq-len", "0"], ["--max-seq-len takes 1 to 65536"]),
         (["export", "executorch", "/no/such/model", "model.pte"], ["no such model folder"]),
+        (
+            ["export", "executorch", "DEFAULT", "model.pte", "--max-seq-len", "64", "--max-context-len", "32"],
+            ["--max-context-len takes 64 (--max-seq-len) to"],
+        ),
+        (
+            ["export", "lit-gpt", "DEFAULT", "model.pth", "--quantize", "8da4w"],
+            ["--quantize is for export executorch"],
+        ),
+        (
+            ["export", "megatron", "DEFAULT", "out.pt", "--max-seq-len", "64"],
+            ["--max-seq-len is for export executorch"],
+        ),
     ],
 )
 def test_export_executorch_mistakes_are_one_line_and_write_nothing(argv, fragments, capsys, tmp_path, monkeypatch):

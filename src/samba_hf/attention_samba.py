@@ -14,6 +14,8 @@ names samba-hf's own path, or leaves transformers' mask and the configured imple
     mask that lost its window)                     in this dtype; otherwise "samba_sliding_blockwise": block by
                                                    block through sdpa (`SlidingWindowBlocks`), no (queries x keys)
                                                    mask
+    an on-device program's layer (`on_device`)     "samba_slots": its buffer's slots by position (`SlotMask`),
+                                                   grouped heads shared, in plain products
     everything else                                transformers' mask, and `config._attn_implementation`
 
 Where flex_attention fails, or a new shape would pass torch.compile's recompile limit, the block-wise path runs,
@@ -101,6 +103,36 @@ class SlidingWindowFlexMask:
     padding: torch.Tensor | None  # (batch, kv_len) bool: the keys that are not padding; None when all are
     window: int
     implementation = "samba_sliding_flex"
+
+
+@dataclass
+class SlotMask:
+    """An on-device program's mask (`on_device`): which slots of a layer's key/value buffer each query sees, from the
+    positions the slots hold. Its attention (`slot_attention`) shares each key/value head among its query heads by
+    reshaping the queries, where transformers' paths copy the whole buffer once per query head."""
+
+    visible: torch.Tensor  # (1, 1, q_len, slots) bool
+    implementation = "samba_slots"
+
+
+def slot_attention(module, query, key, value, attention_mask: SlotMask, scaling, dropout=0.0, **_):
+    """Softmax attention of `query` (batch, heads, q_len, d) over `key`, `value` (batch, kv_heads, slots, d / dv), a
+    query head h reading key head h // (heads / kv_heads), in batched products (what an on-device backend runs) ->
+    ((batch, q_len, heads, dv), None). Slots no query sees hold finite numbers (zeros, or an earlier text's), so
+    the mask is added."""
+    batch, heads, q_len, _ = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    # batched products over (batch * kv_heads); a group's query heads are adjacent (h = kv * groups + g)
+    query = query.reshape(batch * kv_heads, groups * q_len, -1) * scaling
+    scores = torch.bmm(query, key.reshape(batch * kv_heads, slots, -1).transpose(1, 2))
+    bias = torch.zeros(attention_mask.visible.shape, dtype=scores.dtype, device=scores.device)
+    bias = bias.masked_fill(~attention_mask.visible, float("-inf"))  # (1, 1, q_len, slots)
+    scores = scores.view(batch * kv_heads, groups, q_len, slots) + bias[0]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    probs = probs.view(batch * kv_heads, groups * q_len, slots)
+    output = torch.bmm(probs, value.reshape(batch * kv_heads, slots, -1)).view(batch, heads, q_len, -1)
+    return output.transpose(1, 2).contiguous(), None
 
 
 def sliding_window_mask(
@@ -532,3 +564,4 @@ ALL_ATTENTION_FUNCTIONS["eager"] = _transformers_attention(eager_attention_forwa
 ALL_ATTENTION_FUNCTIONS["sdpa"] = _transformers_attention(sdpa_attention_forward)
 ALL_ATTENTION_FUNCTIONS["samba_sliding_blockwise"] = _blockwise_attention
 ALL_ATTENTION_FUNCTIONS["samba_sliding_flex"] = _flex_attention
+ALL_ATTENTION_FUNCTIONS["samba_slots"] = slot_attention

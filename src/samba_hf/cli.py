@@ -7,6 +7,7 @@ match its config, an output that cannot be written) end with one `samba-hf: erro
 traceback; no model runs or is written with weights that did not come from its files.
 """
 
+import importlib.util
 import os
 import statistics
 import sys
@@ -464,6 +465,11 @@ def convert(args) -> int:
 def export(args) -> int:
     if args.target == "executorch":
         return export_executorch_program(args)
+    for flag, value in (("--max-seq-len", args.max_seq_len), ("--max-context-len", args.max_context_len)):
+        if value is not None:
+            raise UserError(f"{flag} is for export executorch; export {args.target} writes weights, not a program")
+    if args.quantize is not None:
+        raise UserError(f"--quantize is for export executorch; export {args.target} writes the weights as they are")
     from .conversion import ConversionError, export_lit_gpt, export_megatron
 
     try:
@@ -572,7 +578,8 @@ def generate_from_pte(args) -> int:
 
 def export_executorch_program(args) -> int:
     """`samba-hf export executorch SRC OUT.pte`: the model as a program for ExecuTorch's LLM runner
-    (`on_device.export_executorch`), float32, written whole or not at all."""
+    (`on_device.export_executorch`), float32 or quantized (`on_device.quantize_8da4w`), written whole or not at
+    all."""
     out = os.path.abspath(args.out)
     if not out.endswith(".pte"):
         raise UserError(f"{args.out!r}: an ExecuTorch program is a .pte file; name OUT so, e.g. model.pte")
@@ -582,8 +589,13 @@ def export_executorch_program(args) -> int:
         raise UserError(f"{args.out!r} is a folder; OUT is the .pte file to write")
     if os.path.exists(out) and not args.force:
         raise UserError(f"{args.out!r} exists: pass --force to replace it")
-    if not 1 <= args.max_seq_len <= 65536:
-        raise UserError(f"--max-seq-len takes 1 to 65536 tokens, got {args.max_seq_len}")
+    max_seq_len = 128 if args.max_seq_len is None else args.max_seq_len
+    if not 1 <= max_seq_len <= 65536:
+        raise UserError(f"--max-seq-len takes 1 to 65536 tokens, got {max_seq_len}")
+    if args.max_context_len is not None and not max_seq_len <= args.max_context_len <= 2**24:
+        raise UserError(
+            f"--max-context-len takes {max_seq_len} (--max-seq-len) to {2**24} positions, got {args.max_context_len}"
+        )
     if not os.path.isdir(args.src):  # (before ExecuTorch is looked for; `load` reads the folder after)
         raise _not_a_model_folder(args.src, "SRC")
     try:
@@ -592,20 +604,26 @@ def export_executorch_program(args) -> int:
         raise UserError(
             "export executorch needs ExecuTorch: pip install 'samba-hf[export]' (or pip install executorch)"
         )
+    if args.quantize is not None and importlib.util.find_spec("torchao") is None:
+        raise UserError(f"--quantize {args.quantize} needs torchao: pip install torchao")
     import torch
 
-    from .on_device import export_executorch
+    from .on_device import export_executorch, quantize_8da4w
 
     _, model = load(args.src, None, torch.device("cpu"), torch.float32, flag="SRC")
-    if model.config.model_type != "samba":
+    if args.max_context_len is not None and "full_attention" not in model.config.layer_types:
         raise UserError(
-            f"{args.src!r} is a {model.config.model_type!r} model: ExecuTorch programs take Samba's layouts "
-            "(Samba, Samba with Mamba-2, the Mamba-2-Hybrid layout) so far, not SambaY's shared key/value cache"
+            f"--max-context-len: {args.src!r} has no full-attention layer (its program takes texts of any length); "
+            "leave it out"
         )
-    export_executorch(model, out, max_seq_len=args.max_seq_len)
+    if args.quantize == "8da4w":
+        quantize_8da4w(model)
+    export_executorch(model, out, max_seq_len=max_seq_len, max_context_len=args.max_context_len)
     size = os.path.getsize(out) / 2**20
+    what = "float32" if args.quantize is None else args.quantize
     print(
-        f"samba-hf: wrote {args.out} ({size:.1f} MiB; for ExecuTorch's LLM runner, with the folder's tokenizer.json)",
+        f"samba-hf: wrote {args.out} ({size:.1f} MiB, {what}; for ExecuTorch's LLM runner, with the folder's "
+        "tokenizer.json)",
         file=sys.stderr,
     )
     return 0

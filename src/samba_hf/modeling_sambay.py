@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
-from .attention_samba import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
+from .attention_samba import ALL_ATTENTION_FUNCTIONS, SlotMask, attention_implementation, eager_attention_forward
 from .configuration_sambay import SambaYConfig
 from .linear_samba import SambaLinear
 from .modeling_samba import SambaForCausalLM, SambaMambaMixer, SambaModel, SambaPreTrainedModel, SambaRMSNorm
@@ -76,9 +76,9 @@ class SambaYDifferentialAttention(nn.Module):
         its own call because the values are twice as wide as the queries and keys: eager and sdpa take that as it is;
         kernels that need one head size (flash-attention) attend to each half of the values and the halves are put
         back side by side (the release's four flash calls per layer)."""
-        implementation = self.config._attn_implementation
+        implementation = attention_implementation(self.config, attention_mask)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        if implementation in ("eager", "sdpa"):
+        if implementation in ("eager", "sdpa", "samba_slots"):
             return attention(self, query, key, values, attention_mask, **options)
         halves = [
             attention(self, query, key, half.contiguous(), attention_mask, **options)
@@ -309,6 +309,8 @@ class SambaYModel(SambaYPreTrainedModel, SambaModel):
         implementation = self.config._attn_implementation
         if isinstance(mask, torch.Tensor) and mask.ndim == 4:  # (batch, 1, q_len, kv_len): keep the last rows
             return mask[:, :, -keep_last:]
+        if isinstance(mask, SlotMask):
+            return SlotMask(mask.visible[:, :, -keep_last:])
         if implementation.startswith("flash") and (mask is None or isinstance(mask, torch.Tensor)):
             return mask  # flash-attention aligns a shorter causal query block with the end of the keys itself
         if implementation == "sdpa" and mask is None:  # causal, left out: query i sees keys up to kv_len - keep + i

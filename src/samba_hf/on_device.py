@@ -6,24 +6,26 @@ positions, then one token at a time, and keeps no cache itself: the program hold
 state as module buffers of fixed size (batch 1):
 - a Mamba or Mamba-2 layer: its conv window (the last `d_conv - 1` inputs, in the model's dtype) and its SSM state
   (float32);
-- a sliding-window layer: a ring of `sliding_window` key and value positions, and the position each slot holds
-  (-1: empty);
-- a full-attention layer: `max_context_len` key and value positions, written at their position.
-A forward whose first position is 0 starts a new text: every state is cleared first (by arithmetic, not a branch,
-so the program has one path). The masks are made from the positions alone. The sizes never change, so a program's
-memory is what it is at its first call, whatever the length of the text (up to `max_context_len` positions for a
-layout with full-attention layers).
+- a sliding-window layer: a ring of `sliding_window + max_seq_len` key and value slots (position p in slot
+  p % size), so a call's new keys are written before it attends and every key it may see is still there;
+- a full-attention layer (SambaY's shared one included): `max_context_len` slots, position p in slot p;
+- per kind, the position each slot holds (-1: empty), from which the masks are made.
+A call writes only its own tokens' slots (in place: the program's memory traffic is the weights and what attention
+reads, not a copy of every buffer) and attends over the buffer. A call whose first position is 0 starts a new text:
+the recurrent states and the slot positions are cleared first (by `where`, not a branch, so the program has one
+path); keys and values left from an earlier text are masked out by their positions. The sizes never change, so a
+program's memory is what it is at its first call, whatever the length of the text (up to `max_context_len` positions
+for a layout with full-attention layers).
 
-`export_executorch` writes it as an ExecuTorch program (XNNPACK) with the metadata methods ExecuTorch's LLM runner
-reads (`TextLLMRunner`, and its C++ runner on a phone).
-
-SambaY (Phi-4-mini-flash-reasoning's layout) is not taken yet: its cross-decoder reads one key/value cache that a
-self-decoder layer shares.
+`export_executorch` writes it as an ExecuTorch program (XNNPACK, optionally with 8-bit dynamic activations and 4-bit
+weights) with the metadata methods ExecuTorch's LLM runner reads (`TextLLMRunner`, and its C++ runner on a phone).
 """
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+
+from .attention_samba import SlotMask
 
 _EMPTY_LAYERS = {
     "linear_attention": lambda config: LinearAttentionLayer(),
@@ -31,16 +33,24 @@ _EMPTY_LAYERS = {
     "full_attention": lambda config: DynamicLayer(),
     "mlp": lambda config: DummyLayer(),
 }
+# the blocks that keep a state, by their kind in `block_types` (SambaY) or `layer_types` (Samba)
+_RECURRENT = ("linear_attention", "mamba", "memory")
+_ATTENTION = ("sliding_attention", "full_attention")
 
 
 class OnDeviceCache(Cache):
-    """The cache a `SambaOnDevice` forward hands the model: views of the program's buffers, updated in place. What
-    the mixers and attention layers ask of a cache, answered from them."""
+    """The cache a `SambaOnDevice` forward hands the model: the program's buffers, written in place. What the mixers
+    and attention layers ask of a cache, answered from them."""
 
-    def __init__(self, program: "SambaOnDevice", input_pos: torch.Tensor, ring: tuple[torch.Tensor, torch.Tensor]):
-        self.program, self.input_pos, self.ring = program, input_pos, ring  # ring: `ring_writes` of this input
+    def __init__(self, program: "SambaOnDevice", slots: dict[str, torch.Tensor]):
+        self.program, self.slots = program, slots  # slots: per attention kind, the slot of each new token (seq,)
         # empty layers of each kind, for the checks that read a cache's layout; the state is the program's
-        self.layers = [_EMPTY_LAYERS[kind](program.model.config) for kind in program.model.config.layer_types]
+        config = program.model.config
+        sharing = getattr(config, "kv_sharing_modes", None) or ["own"] * len(config.layer_types)  # (SambaY's)
+        self.layers = [
+            DummyLayer() if mode == "reuse" else _EMPTY_LAYERS[kind](config)
+            for kind, mode in zip(config.layer_types, sharing)
+        ]
         self.layer_class_to_replicate, self.offloading = None, False
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -71,120 +81,121 @@ class OnDeviceCache(Cache):
 
     # attention layers
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """The keys and values this input attends to, [the layer's buffer, the new ones]; the new ones are written
-        into the buffer: at their position in a full layer, at position % window in a sliding one (the last
-        `window` of them)."""
+        """Writes the new keys and values into their slots and returns the layer's whole buffers (batch, kv_heads,
+        slots, head_dim), which the positions' mask reads."""
         keys, values = getattr(self.program, f"keys_{layer_idx}"), getattr(self.program, f"values_{layer_idx}")
-        full_keys, full_values = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
-        if self.program.is_sliding[layer_idx]:
-            take, index = self.ring
-            keys.copy_(torch.where(take[:, None], key_states[0].index_select(-2, index), keys[0])[None])
-            values.copy_(torch.where(take[:, None], value_states[0].index_select(-2, index), values[0])[None])
-        else:
-            keys.index_copy_(-2, self.input_pos, key_states)
-            values.index_copy_(-2, self.input_pos, value_states)
-        return full_keys, full_values
-
-
-def ring_writes(input_pos: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each slot s of a ring of `size` positions (position p lives at p % size), whether consecutive positions
-    `input_pos` write it, and which of them (an index into `input_pos`): the last one that falls there. Arithmetic
-    only, so one program serves every length (a slice of the last `size` would depend on the length)."""
-    first, last = input_pos[0], input_pos[-1]
-    slots = torch.arange(size, device=input_pos.device)
-    latest = last - (last + size - slots) % size  # the last position <= `last` at each slot (% of a positive)
-    return latest >= first, (latest - first).clamp(min=0)
+        slots = self.slots[self.program.attention_kind[layer_idx]]
+        keys.index_copy_(2, slots, key_states)  # (in place: the new tokens' slots only)
+        values.index_copy_(2, slots, value_states)
+        return keys, values
 
 
 class SambaOnDevice(nn.Module):
-    """`model` (a samba-hf causal LM, eval) with its decoding state in buffers: `forward(tokens (1, seq), input_pos
-    (seq,)) -> logits (1, seq, vocab)` (module docstring)."""
+    """`model` (a samba-hf causal LM, eval) with its decoding state in buffers: `forward(tokens (1, seq <=
+    max_seq_len), input_pos (1,)) -> the last token's logits (1, 1, vocab)` (module docstring)."""
 
-    def __init__(self, model, max_context_len: int):
+    def __init__(self, model, max_context_len: int, max_seq_len: int = 128):
         super().__init__()
         config = model.config
-        if getattr(config, "model_type", "samba") != "samba":
-            raise ValueError(
-                f"SambaOnDevice takes Samba's layouts (model_type 'samba'), not {config.model_type!r}: SambaY's "
-                "cross-decoder reads a key/value cache another layer shares, which this program does not hold yet"
-            )
-        self.model, self.max_context_len = model, max_context_len
-        self.is_sliding = {}
-        parameters = next(model.parameters())
-        for index, kind in enumerate(config.layer_types):
+        self.model, self.max_context_len, self.max_seq_len = model, max_context_len, max_seq_len
+        blocks = getattr(config, "block_types", config.layer_types)  # (SambaY names its blocks; Samba its layers)
+        self.attention_kind = {}
+        dtype = next(model.parameters()).dtype
+        sizes = {"sliding_attention": (config.sliding_window or 0) + max_seq_len, "full_attention": max_context_len}
+        for index, block in enumerate(blocks):
             layer = model.model.layers[index]
-            if kind == "linear_attention":
-                mixer = layer.mamba
+            if block in _RECURRENT:
+                mixer = getattr(layer, "mamba", None) or layer.attn
                 channels = mixer.conv1d.in_channels
-                self.register_buffer(
-                    f"conv_{index}", torch.zeros(1, channels, config.mamba_d_conv - 1, dtype=parameters.dtype)
-                )
+                self.register_buffer(f"conv_{index}", torch.zeros(1, channels, config.mamba_d_conv - 1, dtype=dtype))
                 self.register_buffer(f"ssm_{index}", torch.zeros(1, *self._ssm_shape(mixer, config)))
-            elif kind in ("sliding_attention", "full_attention"):
-                self.is_sliding[index] = kind == "sliding_attention"
-                size = config.sliding_window if self.is_sliding[index] else max_context_len
-                shape = (1, config.num_key_value_heads, size, config.head_dim)
-                self.register_buffer(f"keys_{index}", torch.zeros(shape, dtype=parameters.dtype))
-                self.register_buffer(f"values_{index}", torch.zeros(shape, dtype=parameters.dtype))
-        self.register_buffer("window_positions", torch.full((config.sliding_window or 1,), -1, dtype=torch.long))
-        if not all(self.is_sliding.values()):  # (full-attention layers)
-            self.register_buffer("full_positions", torch.full((max_context_len,), -1, dtype=torch.long))
+            elif block in _ATTENTION:
+                self.attention_kind[index] = block
+                shape = (1, config.num_key_value_heads, sizes[block], config.head_dim)
+                self.register_buffer(f"keys_{index}", torch.zeros(shape, dtype=dtype))
+                self.register_buffer(f"values_{index}", torch.zeros(shape, dtype=dtype))
+        for kind in sorted(set(self.attention_kind.values())):  # which position each slot holds
+            self.register_buffer(f"{kind}_positions", torch.full((sizes[kind],), -1, dtype=torch.long))
 
     @staticmethod
     def _ssm_shape(mixer, config) -> tuple[int, ...]:
-        if config.mamba_version == 2:
+        if getattr(config, "mamba_version", 1) == 2:
             return (mixer.num_heads, mixer.head_dim, config.mamba_d_state)
         return (mixer.intermediate_size, config.mamba_d_state)
 
     def forward(self, tokens: torch.LongTensor, input_pos: torch.LongTensor) -> torch.Tensor:
         """tokens (1, seq); input_pos (1,): the first token's position (the rest follow it). Returns the last
         token's logits (1, 1, vocab), as ExecuTorch's LLM runner reads them."""
+        if not torch.compiler.is_exporting():  # (a program's bounds are its traced shapes and the runner's limits)
+            self._check(tokens, input_pos)
         input_pos = input_pos[:1] + torch.arange(tokens.shape[1], device=tokens.device)  # (seq,)
-        keep = (input_pos[0] > 0).to(torch.float32)  # 0 at a new text's first call: clear every state
+        keep = input_pos[0] > 0  # False at a new text's first call: clear the states
         for name, buffer in self.named_buffers(recurse=False):  # (the state, not the model's own buffers)
-            if name.endswith("_positions"):
-                buffer.copy_(torch.where(keep > 0, buffer, torch.full_like(buffer, -1)))
-            else:
-                buffer.mul_(keep.to(buffer.dtype))
-        masks = {"linear_attention": None}
+            if name.startswith(("conv_", "ssm_")):
+                buffer.mul_(keep.to(buffer.dtype))  # (finite: they start as zeros, `export_executorch`)
         queries = input_pos[:, None]  # (seq, 1)
-        if any(self.is_sliding.values()):
-            keys = torch.cat([self.window_positions, input_pos])[None, :]  # (1, window + seq)
-            window = self.model.config.sliding_window
-            masks["sliding_attention"] = ((keys >= 0) & (keys <= queries) & (keys > queries - window))[None, None]
-        if not all(self.is_sliding.values()):
-            keys = torch.cat([self.full_positions, input_pos])[None, :]
-            masks["full_attention"] = ((keys >= 0) & (keys <= queries))[None, None]
-        ring = ring_writes(input_pos, self.window_positions.shape[0])  # every sliding layer's, and the positions'
-        cache = OnDeviceCache(self, input_pos, ring)
-        logits = self.model(
+        slots, masks = {}, {"linear_attention": None}
+        for kind in set(self.attention_kind.values()):
+            positions = getattr(self, f"{kind}_positions")
+            positions.copy_(torch.where(keep, positions, torch.full_like(positions, -1)))
+            slots[kind] = input_pos % positions.shape[0]
+            positions.index_copy_(0, slots[kind], input_pos)
+            visible = (positions >= 0) & (positions <= queries)  # (seq, slots)
+            if kind == "sliding_attention":
+                visible = visible & (positions > queries - self.model.config.sliding_window)
+            masks[kind] = SlotMask(visible[None, None])
+        return self.model(
             input_ids=tokens,
             position_ids=input_pos[None],
             attention_mask=masks,
-            cache=cache,
+            cache=OnDeviceCache(self, slots),
             use_cache=True,
             logits_to_keep=1,
         ).logits
-        # the positions each slot now holds (the layers wrote their keys and values there)
-        take, index = ring
-        self.window_positions.copy_(torch.where(take, input_pos.index_select(0, index), self.window_positions))
-        if not all(self.is_sliding.values()):
-            self.full_positions.index_copy_(0, input_pos, input_pos)
-        return logits
+
+    def _check(self, tokens: torch.Tensor, input_pos: torch.Tensor):
+        if tokens.ndim != 2 or tokens.shape[0] != 1 or not 1 <= tokens.shape[1] <= self.max_seq_len:
+            raise ValueError(
+                f"tokens: one sequence of 1 to max_seq_len={self.max_seq_len} tokens, (1, seq), not "
+                f"{tuple(tokens.shape)}: give a longer prompt in several calls"
+            )
+        last = int(input_pos[0]) + tokens.shape[1] - 1
+        if "full_attention" in self.attention_kind.values() and last >= self.max_context_len:
+            raise ValueError(
+                f"position {last} is past max_context_len={self.max_context_len}, the full-attention layers' "
+                "buffers: make the program with a larger max_context_len"
+            )
 
 
-def export_executorch(model, path, max_seq_len: int = 256, max_context_len: int | None = None):
-    """Write `model` (a samba-hf causal LM) to `path` as an ExecuTorch program, XNNPACK-delegated, that ExecuTorch's
-    LLM runner generates from: `forward(tokens (1, <= max_seq_len), input_pos (1,))`, the state inside
-    (`SambaOnDevice`), and the runner's metadata methods. `max_context_len`: the longest text (the full-attention
-    layers' buffers; default `config.max_position_embeddings`, or 4096 where a layout has full-attention layers).
-    The file is written whole or not at all."""
+QUANTIZATIONS = ("8da4w",)
+
+
+def quantize_8da4w(model, group_size: int = 32):
+    """Quantizes `model`'s linear layers in place for an on-device program (torchao): 8-bit dynamic activations and
+    4-bit symmetric weights, a scale per `group_size` weights of a row (ExecuTorch's XNNPACK runs them as its
+    quantized products). Layers whose input width is not a multiple of `group_size` (Mamba's dt_proj, of width
+    dt_rank) and the embedding stay as they are. Returns the model."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+
+    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
+    quantize_(model, config, filter_fn=lambda m, name: isinstance(m, nn.Linear) and m.in_features % group_size == 0)
+    return model
+
+
+def export_executorch(model, path, max_seq_len: int = 128, max_context_len: int | None = None):
+    """Write `model` (a samba-hf causal LM, float32 or quantized by `quantize_8da4w`) to `path` as an ExecuTorch
+    program, XNNPACK-delegated, that ExecuTorch's LLM runner generates from: `forward(tokens (1, <= max_seq_len),
+    input_pos (1,))`, the state inside (`SambaOnDevice`), and the runner's metadata methods. `max_context_len`: the
+    longest text (the full-attention layers' buffers; default `config.max_position_embeddings`, or 4096 where a
+    layout has full-attention layers). The file is written whole or not at all."""
     import os
     import tempfile
     from pathlib import Path
 
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
     from .conversion.writer import current_umask
 
@@ -192,7 +203,7 @@ def export_executorch(model, path, max_seq_len: int = 256, max_context_len: int 
     if max_context_len is None:
         has_full = "full_attention" in config.layer_types
         max_context_len = 4096 if has_full else config.max_position_embeddings
-    program = SambaOnDevice(model.eval(), max_context_len).eval()
+    program = SambaOnDevice(model.eval(), max_context_len, max_seq_len).eval()
     example = (torch.zeros(1, min(8, max_seq_len), dtype=torch.long), torch.zeros(1, dtype=torch.long))
     tokens = torch.export.Dim("tokens", min=1, max=max_seq_len)
     with torch.no_grad():
@@ -216,7 +227,14 @@ def export_executorch(model, path, max_seq_len: int = 256, max_context_len: int 
         # (the exported program keeps a shape assert torch.export could not prove, which ExecuTorch's IR check refuses)
         compile_config=EdgeCompileConfig(_check_ir_validity=False),
         constant_methods=metadata,
-    ).to_executorch()
+    ).to_executorch(
+        ExecutorchBackendConfig(
+            # the states start as the zeros they were made with (ExecuTorch otherwise keeps only a mutable buffer's
+            # shape: whatever memory held, NaN included, would survive a clearing product or reach attention
+            # through a masked slot)
+            passes=[InitializedMutableBufferPass(["keys_", "values_", "conv_", "ssm_"])],
+        )
+    )
     path = Path(path)
     handle, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
