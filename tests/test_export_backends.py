@@ -32,7 +32,10 @@ def prompt(model, length: int) -> torch.Tensor:
     return torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
 
 
-@pytest.mark.parametrize("backend, name", [("executorch", "samba"), ("onnx", "samba"), ("onnx", "sambay")])
+@pytest.mark.parametrize(
+    "backend, name",
+    [("executorch", "samba"), ("executorch", "sambay")] + [("onnx", name) for name in test_export.LAYOUTS],
+)
 def test_a_forward_program_runs_at_other_lengths_with_eagers_logits(backend, name):
     model = layout(name)
     exporter, config = exporter_and_config(backend)
@@ -44,7 +47,7 @@ def test_a_forward_program_runs_at_other_lengths_with_eagers_logits(backend, nam
         torch.testing.assert_close(exported(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["samba", "megatron"])
+@pytest.mark.parametrize("name", test_export.LAYOUTS)
 @pytest.mark.parametrize("backend", ["onnx"])  # (ExecuTorch's dynamic dims are bounded where a dynamic cache grows)
 def test_generation_programs_give_eagers_greedy_tokens_past_the_window(backend, name):
     model = layout(name)

@@ -175,8 +175,16 @@ def quantize_8da4w(model, group_size: int = 32):
     4-bit symmetric weights, a scale per `group_size` weights of a row (ExecuTorch's XNNPACK runs them as its
     quantized products). Layers whose input width is not a multiple of `group_size` (Mamba's dt_proj, of width
     dt_rank) and the embedding stay as they are. Returns the model."""
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerGroup
+    import logging
+
+    torchao_logger = logging.getLogger("torchao")
+    level = torchao_logger.level
+    torchao_logger.setLevel(logging.ERROR)  # (its import names each CUDA-only library a CPU build lacks)
+    try:
+        from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+        from torchao.quantization.granularity import PerGroup
+    finally:
+        torchao_logger.setLevel(level)
 
     config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
     quantize_(model, config, filter_fn=lambda m, name: isinstance(m, nn.Linear) and m.in_features % group_size == 0)
