@@ -28,6 +28,8 @@ import signal
 import sys
 import threading
 
+MAX_PROMPT_LOOKUP = 64  # drafted tokens per check (`--prompt-lookup`)
+
 
 class UserError(Exception):
     """A mistake on the command line or in the files it names: printed as one line, exit status 1."""
@@ -72,6 +74,12 @@ def check_generate_arguments(args) -> None:
         raise UserError(f"--top-k must be 0 (no limit) or more, got {args.top_k}")
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise UserError(f"--seed must be between 0 and 2**64 - 1, got {args.seed}")
+    if args.prompt_lookup is not None and args.prompt_lookup > MAX_PROMPT_LOOKUP:
+        raise UserError(
+            f"--prompt-lookup takes at most {MAX_PROMPT_LOOKUP} drafted tokens, got {args.prompt_lookup}: checking a "
+            "draft costs about a token of the model's work per drafted token, and longer drafts are rarely "
+            "accepted whole"
+        )
     if args.prompt_lookup is not None and args.prompt_lookup < 1:
         raise UserError(
             f"--prompt-lookup is the number of tokens drafted from the prompt at each step: at least 1, got "

@@ -247,6 +247,7 @@ def test_argument_errors_are_one_line_too(capsys, argv, fragment):
     [
         (["--prompt-lookup", "0"], ["--prompt-lookup", "at least 1, got 0"]),
         (["--prompt-lookup", "-3"], ["at least 1, got -3"]),
+        (["--prompt-lookup", "1000000000"], ["--prompt-lookup takes at most 64 drafted tokens, got 1000000000"]),
         (["--prompt-lookup", "3", "--assistant", "x"], ["give one of them"]),
         (["--prompt-lookup", "3", "--compile"], ["--prompt-lookup verifies drafts on the dynamic cache"]),
         (["--assistant", " "], ["--assistant is empty"]),
@@ -264,6 +265,64 @@ def test_an_assistant_that_is_not_a_model_folder(capsys, folder, tmp_path):
 
 def test_an_assistant_with_another_tokenizer(capsys, folder):
     refused(capsys, generate(folder, "--assistant", default_model_path("passkey")), "has another tokenizer")
+
+
+def small_assistant(folder, kind: str = "samba", tokenizer: bool = True, **config):
+    """A tiny assistant saved to `folder` (random weights), with the embedded default's tokenizer unless told."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    import samba_hf
+
+    torch.manual_seed(0)
+    vocab = config.pop("vocab_size", 4096)  # (the embedded default's)
+    if kind == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=32, n_layer=1, n_head=2, **config))
+    else:
+        model = samba_hf.SambaForCausalLM(samba_hf.SambaConfig.from_preset("tiny", vocab_size=vocab, **config))
+    model.save_pretrained(folder)
+    if tokenizer:
+        AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(folder)
+    return folder
+
+
+def test_an_assistant_with_fewer_positions_than_the_text_needs(capsys, tmp_path):
+    """A GPT-2 of 16 positions: refused before generating (transformers would fail inside with an IndexError)."""
+    assistant = small_assistant(tmp_path / "gpt2", kind="gpt2", n_positions=16)
+    argv = ["generate", "The assert statement", "--max-new-tokens", "20", "--assistant", str(assistant)]
+    refused(capsys, argv, "takes at most 16 positions", "the prompt has 3 tokens with 20 more asked for")
+
+
+def test_an_assistant_with_the_same_tokenizer_and_another_vocabulary_size(capsys, tmp_path):
+    assistant = small_assistant(tmp_path / "wide", vocab_size=4160)
+    argv = ["generate", "The assert statement", "--max-new-tokens", "2", "--assistant", str(assistant)]
+    refused(capsys, argv, "has a vocabulary of 4160 entries and the model 4096")
+
+
+def test_an_assistant_without_a_tokenizer_drafts_with_the_models_and_says_nothing_of_transformers_call(
+    capfd, tmp_path
+):
+    """An assistant folder without tokenizer files reads the main model's; the tokens are plain greedy's; and
+    transformers' deprecation line about its own call of the assistant's generate is not printed."""
+    import logging
+
+    import transformers.utils.logging
+
+    assistant = small_assistant(tmp_path / "bare", tokenizer=False)
+    argv = ["generate", "The assert statement", "--max-new-tokens", "12", "--dtype", "float32"]
+    assert main(argv) == 0
+    plain = capfd.readouterr().out
+    transformers.utils.logging.warning_once.cache_clear()  # (a warning said once per process could be said already)
+    said = []  # what transformers' loggers pass on (its own handler writes to the stderr of its import time)
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        assert main(argv + ["--assistant", str(assistant)]) == 0
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert capfd.readouterr().out == plain
+    assert not [message for message in said if "generation_config" in message], said
 
 
 def test_prompt_lookup_and_an_assistant_give_the_plain_greedy_text(capsys, folder):

@@ -7,6 +7,7 @@ match its config, an output that cannot be written) end with one `samba-hf: erro
 traceback; no model runs or is written with weights that did not come from its files.
 """
 
+import contextlib
 import importlib.util
 import os
 import statistics
@@ -321,7 +322,10 @@ def generate(args) -> int:
     if args.prompt_lookup is not None:
         options["prompt_lookup_num_tokens"] = args.prompt_lookup
     if args.assistant is not None:
-        options["assistant_model"] = load_assistant(args.assistant, tokenizer, device, dtype)
+        main_tokenizer = args.tokenizer or args.model or default_model_path()
+        assistant = load_assistant(args.assistant, tokenizer, main_tokenizer, device, dtype)
+        check_assistant(args.assistant, assistant, model, input_ids.shape[1], args.max_new_tokens)
+        options["assistant_model"] = assistant
     compiled = args.compile
     if compiled and (missing := compiler_missing(device)):
         print(
@@ -355,7 +359,7 @@ def generate(args) -> int:
         sys.stdout.flush()
     streamer = TimedStreamer(tokenizer, skip_prompt=True, skip_special_tokens=args.chat)
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), _assisted_generation_notice_off(args.assistant is not None):
         output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer, **options)
     elapsed = time.perf_counter() - start
     new_tokens = output.shape[1] - input_ids.shape[1]
@@ -376,11 +380,17 @@ def generate(args) -> int:
     return 0
 
 
-def load_assistant(path: str, tokenizer, device, dtype):
+def load_assistant(path: str, tokenizer, main_tokenizer: str, device, dtype):
     """The model that drafts tokens for `--assistant`: any causal LM transformers loads (samba-hf's too), with the
-    main model's tokenizer (drafts are token ids)."""
+    main model's tokenizer (drafts are token ids). A folder without a tokenizer of its own is read with the main
+    model's (`main_tokenizer`, where it came from)."""
+    from .model_folder import VOCABULARY_FILES
+
+    own = not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, name)) for name in VOCABULARY_FILES)
     try:
-        assistant_tokenizer, assistant = load(path, None, device, dtype, any_model=True, flag="--assistant")
+        assistant_tokenizer, assistant = load(
+            path, None if own else main_tokenizer, device, dtype, any_model=True, flag="--assistant"
+        )
     except UserError as error:
         raise UserError(f"--assistant: {error}") from None
     if assistant_tokenizer.get_vocab() != tokenizer.get_vocab():
@@ -389,6 +399,49 @@ def load_assistant(path: str, tokenizer, device, dtype):
             "token ids, so it needs the model's own; use --prompt-lookup otherwise"
         )
     return assistant
+
+
+def check_assistant(path: str, assistant, model, prompt_tokens: int, new_tokens: int):
+    """What transformers would find out only while generating, asked before: the assistant's vocabulary size (its
+    logits are compared with the model's id by id) and the positions it takes."""
+    size, main_size = assistant.config.get_text_config().vocab_size, model.config.vocab_size
+    if size != main_size:
+        raise UserError(
+            f"--assistant {path!r} has a vocabulary of {size} entries and the model {main_size}: transformers takes "
+            "an assistant only with the model's vocabulary size (drafts are compared id by id); use one trained with "
+            "the model's tokenizer and embedding size, or --prompt-lookup"
+        )
+    config = assistant.config.get_text_config()
+    if getattr(config, "model_type", None) in ("samba", "phi4flash"):
+        limit = max_prompt_tokens(config)
+    else:  # (transformers' models: learned positions end there, rotary ones were trained to there)
+        limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and prompt_tokens + new_tokens > limit:
+        raise UserError(
+            f"--assistant {path!r} takes at most {limit} positions, and the prompt has {prompt_tokens} tokens with "
+            f"{new_tokens} more asked for: shorten the prompt or --max-new-tokens, or use --prompt-lookup"
+        )
+
+
+@contextlib.contextmanager
+def _assisted_generation_notice_off(assisted: bool):
+    """transformers' assisted generation calls the assistant's generate with a generation_config and arguments beside
+    it, then warns about that call of its own (transformers 5.24): a line the user can do nothing about, kept off
+    while --assistant generates."""
+    if not assisted:
+        yield
+        return
+    import logging
+
+    def not_that_notice(record) -> bool:
+        return "Passing `generation_config` together with generation-related" not in record.getMessage()
+
+    generation_logger = logging.getLogger("transformers.generation.utils")
+    generation_logger.addFilter(not_that_notice)
+    try:
+        yield
+    finally:
+        generation_logger.removeFilter(not_that_notice)
 
 
 class TimedStreamer(TextStreamer):
