@@ -75,8 +75,9 @@ def test_prompt_lookup_gives_the_greedy_tokens(name, spy):
     assert 0 in drafts and max(drafts) == 5  # empty drafts between full ones (vLLM's wrong case)
     removed = [n for n in spy["crops"] if n]
     assert spy["crops"].count(0) and removed  # drafts accepted whole, and taken back
-    # each Mamba layer held at most k + 1 states between crops, k + 2 in the verification that began with the prompt
-    assert max(spy["held"]) <= max(drafts) + 2
+    # each Mamba layer held at most k + 2 states between crops (the state its first recorded token started from, then
+    # one per token), k + 3 in the verification that began with the prompt
+    assert max(spy["held"]) <= max(drafts) + 3
 
 
 @pytest.mark.parametrize("name", ["samba", "megatron", "sambay"])
@@ -193,6 +194,62 @@ def test_crop_takes_every_layer_back_to_the_token(name, back):
         got = model(after, cache=cache, use_cache=True).logits
         reference = model(torch.cat([ids[:, : 29 - back], after], 1)).logits[:, -2:]
     torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["samba", "sambay"])
+def test_crop_takes_back_every_token_of_one_recorded_forward(name):
+    """A forward of 5 tokens over a recording cache, all of them taken back (`crop(-5)`), as Llama's cache allows:
+    the cache continues as the one before that forward."""
+    model = layout(name)
+    ids = torch.randint(3, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = cache_samba.DynamicCache(config=model.config)
+        cache.activate_past_recording()
+        model(ids[:, :12], cache=cache, use_cache=True)
+        cache.crop(0)
+        model(ids[:, 12:17], cache=cache, use_cache=True)  # every token's logits: every token recorded
+        cache.crop(-5)
+        got = model(ids[:, 17:20], cache=cache, use_cache=True).logits
+        reference = model(torch.cat([ids[:, :12], ids[:, 17:20]], 1)).logits[:, -3:]
+    torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_recording_turned_off_by_hand_between_forwards_continues_as_plain_decoding():
+    """`record_past` set back to False on every layer after a recording forward, with no `crop`: the next forward
+    lets go of what was kept (was a bare tensor-size RuntimeError) and gives a cache's logits that never recorded."""
+    model = layout("samba")
+    ids = torch.randint(3, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = cache_samba.DynamicCache(config=model.config)
+        cache.activate_past_recording()
+        model(ids[:, :13], cache=cache, use_cache=True)
+        for layer in cache.layers:
+            layer.record_past = False
+        got = model(ids[:, 13:], cache=cache, use_cache=True).logits
+        reference = model(ids).logits[:, 13:]
+    torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["samba", "sambay"])
+def test_the_cache_assisted_generation_hands_back_records_nothing(name):
+    """transformers leaves the cache of assisted decoding recording; samba-hf's hands it back stopped: continuing it
+    with plain generate holds what continuing plain generate's cache holds, with the same tokens."""
+    from conftest import cache_kwarg, held_bytes
+
+    model = layout(name)
+    ids = repetitive_prompt(model.config.vocab_size)
+    caches = {}
+    for mode, extra in (("plain", {}), ("assisted", dict(prompt_lookup_num_tokens=4))):
+        out = greedy(model, ids, return_dict_in_generate=True, **extra)
+        cache = returned_cache(out)
+        assert not any(getattr(layer, "record_past", False) for layer in cache.layers), mode
+        with torch.no_grad():
+            more = model.generate(
+                out.sequences, max_new_tokens=40, do_sample=False, eos_token_id=None, **cache_kwarg(cache)
+            )
+        caches[mode] = (more, held_bytes(cache), [len(getattr(layer, "recorded", [])) for layer in cache.layers])
+    assert torch.equal(caches["assisted"][0], caches["plain"][0])
+    assert caches["assisted"][1:] == caches["plain"][1:]
 
 
 def test_the_embedded_default_quotes_its_prompt_with_the_greedy_tokens(spy):

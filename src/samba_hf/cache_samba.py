@@ -79,6 +79,13 @@ class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new = key_states.shape[-2]
+        window = self.sliding_window - 1
+        if self.is_initialized and not self.record_past and self.keys.shape[-2] > window:
+            # recording was turned off without a `crop`: the positions it kept beyond the window are let go
+            self.keys, self.values = (
+                self.keys[..., -window:, :].contiguous(),
+                self.values[..., -window:, :].contiguous(),
+            )
         if torch.compiler.is_exporting():  # a program's cache keeps one structure: transformers' layer (as exporters
             return super().update(key_states, value_states, *args, **kwargs)  # trace it), never the buffer
         if not self.is_initialized or new > window_slack(self.sliding_window):
@@ -158,6 +165,11 @@ class SambaMambaLayer(LinearAttentionLayer):
         return True
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        kept = self.conv_states[state_idx]
+        if not self.record_past and kept is not None and kept.shape[-1] > self.conv_kernel_size[state_idx]:
+            # recording was turned off without a `crop`: what it kept beyond the window is let go, as a crop(0) would
+            self.conv_states[state_idx] = kept[..., -self.conv_kernel_size[state_idx] :].contiguous()
+            self.recorded = []
         window = super().update_conv_state(conv_states, state_idx, **kwargs)
         if self.record_past and self.conv_states[state_idx].shape[-1] < self.conv_kernel_size[state_idx]:
             # a first forward while recording keeps its inputs unpadded: pad them, so that `crop` always finds the
@@ -168,8 +180,12 @@ class SambaMambaLayer(LinearAttentionLayer):
             )
         return window
 
-    def record_states(self, states: list[torch.Tensor]):
-        """Keep `states`, the SSM states after each of this forward's recorded tokens, in order."""
+    def record_states(self, states: list[torch.Tensor], before: torch.Tensor | None):
+        """Keep `states`, the SSM states after each of this forward's recorded tokens, in order; the first recording
+        forward since a `crop` also keeps `before`, the state its first recorded token started from (None: zeros),
+        so that every token it recorded can be taken back."""
+        if not self.recorded:
+            self.recorded.append(torch.zeros_like(states[0]) if before is None else before.clone())
         self.recorded.extend(states)
 
     def crop(self, tokens_to_remove: int):
@@ -178,8 +194,9 @@ class SambaMambaLayer(LinearAttentionLayer):
         if self.record_past and back >= max(len(self.recorded), 1):
             raise RuntimeError(
                 f"`crop({tokens_to_remove})` takes a Mamba layer back {back} tokens, but it recorded the states of "
-                f"only the last {len(self.recorded)}: a recording forward keeps `logits_to_keep` + 1 of them, so ask "
-                "for the logits of every token you may go back to."
+                f"only the last {max(len(self.recorded) - 1, 0)}: a `crop` lets go of what was recorded before it, "
+                "and a recording forward keeps `logits_to_keep` + 1 of its tokens, so ask for the logits of every "
+                "token you may go back to."
             )
         super().crop(tokens_to_remove)  # the conv window; raises where nothing was recorded, or for a positive count
         if back:
@@ -207,15 +224,29 @@ def use_samba_layers(cache: Cache):
         layers[i].record_past = layer.record_past
 
 
-def record_states(cache: Cache, layer_idx: int, states: list[torch.Tensor]):
-    """Hand a recording Mamba layer the SSM states after each token its forward recorded."""
+def record_states(cache: Cache, layer_idx: int, states: list[torch.Tensor], before: torch.Tensor | None = None):
+    """Hand a recording Mamba layer the SSM states after each token its forward recorded, and the state the first of
+    them started from."""
     layer = cache.layers[layer_idx]
     if not isinstance(layer, SambaMambaLayer):
         raise TypeError(
             f"layer {layer_idx} of the cache is a {type(layer).__name__}, which cannot take its SSM state back: pass "
             "`DynamicCache(config=model.config)` (samba-hf's forward makes its Mamba layers rollback-capable)."
         )
-    layer.record_states(states)
+    layer.record_states(states, before)
+
+
+def stop_recording(cache: Cache | None):
+    """Turn a cache's recording off (what transformers' assisted decoding leaves on), letting go of what it kept: the
+    Mamba layers' conv inputs beyond the window and their states (`crop(0)`); the attention layers keep their window
+    again from their next update."""
+    for layer in getattr(cache, "layers", ()):
+        if getattr(layer, "record_past", False):
+            if isinstance(layer, LinearAttentionCacheLayerMixin) and all(layer.is_conv_states_initialized.values()):
+                layer.crop(0)
+                for i, window in layer.conv_states.items():  # (crop leaves a view of the longer inputs)
+                    layer.conv_states[i] = window.contiguous()
+            layer.record_past = False
 
 
 class ForwardCache:

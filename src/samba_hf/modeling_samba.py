@@ -60,6 +60,7 @@ from .cache_samba import (
     check_static_cache_room,
     has_attention_layers,
     record_states,
+    stop_recording,
 )
 from .configuration_samba import SambaConfig
 from .hub_samba import save_folder
@@ -321,8 +322,9 @@ class SambaStateSpaceMixer(nn.Module):
             per_token["dt"] = per_token["dt"] * mask  # dt (batch, seq, channels or heads), mask (batch, seq, 1)
         fixed["kernel"] = self.scan_kernel
         if cache is not None and cache.is_recording_past(self.layer_idx):
+            before = state
             y, state, states = scan_keeping_states(scan, state, per_token, **fixed)
-            record_states(cache, self.layer_idx, states)
+            record_states(cache, self.layer_idx, states, before)
         else:
             y, state = scan(**per_token, **fixed, h0=state)
         if cache is not None:
@@ -959,6 +961,15 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         )
         if cache is not None:
             check_static_cache_room(cache, self.config, max_cache_length)
+
+    def _assisted_decoding(self, input_ids, *args, **model_kwargs):
+        """transformers' assisted decoding; the cache it hands back (`return_dict_in_generate`, or one passed in) no
+        longer records: transformers leaves recording on, and a plain `generate` continuing that cache would record
+        every token it decodes (`stop_recording`)."""
+        try:
+            return super()._assisted_decoding(input_ids, *args, **model_kwargs)
+        finally:
+            stop_recording(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
 
     def _get_candidate_generator(self, generation_config, *args, **kwargs):
         """transformers' candidate generator for assisted generation; prompt lookup pauses its drafting after
