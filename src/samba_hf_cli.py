@@ -262,8 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="speculative decoding: draft N tokens at a time from n-grams of the prompt and the text so far, "
-        "verified in one forward (the same greedy text; faster where the text repeats its input)",
+        help="speculative decoding: draft N tokens (1 to 64) at a time from n-grams of the prompt and the text so "
+        "far, verified in one forward (the same greedy text; faster where the text repeats its input)",
     )
     gen.add_argument(
         "--assistant",
