@@ -391,11 +391,16 @@ def test_out_whose_parent_is_a_file(tmp_path, capsys):
     one_line_error(capsys, ["export", "lit-gpt", str(folder), str(tmp_path / "file" / "x.pth")], "cannot write")
 
 
+@pytest.mark.parametrize("raised", ["OSError", "SafetensorError"])  # (safetensors reports the system's error so)
 @pytest.mark.parametrize("code, fix", [(errno.ENOSPC, "free some space"), (errno.EROFS, "writable location")])
-def test_a_full_or_read_only_file_system(tmp_path, capsys, monkeypatch, code, fix):
+def test_a_full_or_read_only_file_system(tmp_path, capsys, monkeypatch, code, fix, raised):
+    from safetensors import SafetensorError
+
     save_mamba(tmp_path / "mamba", layers=1)
 
     def refuse(tensors, filename, metadata=None):
+        if raised == "SafetensorError":  # its message, as safetensors gives it on a full tmpfs
+            raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
         raise OSError(code, os.strerror(code), str(filename))
 
     monkeypatch.setattr(writer, "save_file", refuse)
@@ -406,6 +411,76 @@ def test_a_full_or_read_only_file_system(tmp_path, capsys, monkeypatch, code, fi
         fix,
     )
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MB file system of its own (tmpfs), where mounting is allowed (root on Linux); skipped elsewhere."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small file system here")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)  # (lazy: a file a failed test left open)
+
+
+def test_convert_onto_a_real_full_file_system(tmp_path, capsys, full_disk):
+    """safetensors' own error ended the command before; now one line, nothing left there, the space free again."""
+    save_mamba(tmp_path / "mamba", layers=2)
+    stat = os.statvfs(full_disk)
+    (full_disk / "filler").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 16384))  # 16 KB left: too little
+    free = os.statvfs(full_disk).f_bfree
+    one_line_error(
+        capsys,
+        ["convert", "mamba", str(tmp_path / "mamba"), str(full_disk / "out"), "--no-verify"],
+        "No space left on device",
+        "free some space or write elsewhere",
+    )
+    assert [p.name for p in full_disk.iterdir()] == ["filler"] and os.statvfs(full_disk).f_bfree == free
+
+
+def test_export_onto_a_full_file_system(tmp_path, capsys, monkeypatch):
+    """torch.save reports a failed write as a RuntimeError of its own; the export says the system's error in one
+    line and leaves nothing (a file whose writes fail after 4 KB stands in for a full disk)."""
+    import builtins
+
+    folder = exportable_folder(tmp_path)
+
+    class Full:
+        def __init__(self, path, mode):
+            self.file, self.written = builtins.open(path, mode), 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.file.write(data)
+
+        def flush(self):
+            self.file.flush()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    monkeypatch.setattr(writer, "open", Full, raising=False)
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "model.pth"
+    one_line_error(capsys, ["export", "lit-gpt", str(folder), str(out)], "No space left on device", "free some space")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_export_onto_a_real_full_file_system(tmp_path, capsys, full_disk):
+    folder = exportable_folder(tmp_path)
+    stat = os.statvfs(full_disk)
+    (full_disk / "filler").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 16384))
+    free = os.statvfs(full_disk).f_bfree
+    one_line_error(capsys, ["export", "lit-gpt", str(folder), str(full_disk / "model.pth")], "No space left on device")
+    assert [p.name for p in full_disk.iterdir()] == ["filler"] and os.statvfs(full_disk).f_bfree == free
 
 
 # ---------------------------------------------------------------- wrong --config

@@ -671,7 +671,16 @@ def export_executorch_program(args) -> int:
         )
     if args.quantize == "8da4w":
         quantize_8da4w(model)
-    export_executorch(model, out, max_seq_len=max_seq_len, max_context_len=args.max_context_len)
+    from pathlib import Path
+
+    from .conversion import ConversionError
+    from .conversion.writer import os_errors
+
+    try:
+        with os_errors(Path(out)):  # (a full or read-only file system: one line; the partial file is gone)
+            export_executorch(model, out, max_seq_len=max_seq_len, max_context_len=args.max_context_len)
+    except ConversionError as error:
+        raise UserError(str(error))
     size = os.path.getsize(out) / 2**20
     what = "float32" if args.quantize is None else args.quantize
     print(

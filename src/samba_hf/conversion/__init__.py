@@ -37,6 +37,7 @@ from .writer import (
     parse_size,
     push_folder,
     temporary_name,
+    torch_save,
     write_config_and_code,
     write_model_card,
     write_safetensors,
@@ -327,7 +328,7 @@ def write_checkpoint(checkpoint: dict, out: Path):
     os.close(handle)
     try:
         with os_errors(out):
-            torch.save(checkpoint, tmp)
+            torch_save(checkpoint, tmp)
             os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp made it 0600
             os.replace(tmp, out)
     except BaseException:

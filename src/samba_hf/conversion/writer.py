@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
@@ -188,7 +189,13 @@ def os_errors(out: Path):
     """An OSError while writing OUT (read-only or full file system, a parent that is a file, no permission) becomes
     a ConversionError that says what happened where."""
     try:
-        yield
+        try:
+            yield
+        except SafetensorError as error:  # safetensors reports the system's error inside its own message
+            code = re.search(r"os error (\d+)", str(error))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), None) from None
     except OSError as error:
         where = error.filename or out
         fix = {
@@ -199,6 +206,34 @@ def os_errors(out: Path):
             errno.EEXIST: "a parent of OUT is a file; choose another path",
         }.get(error.errno, "check the output path")
         raise ConversionError(f"cannot write {out}: {error.strerror or error} ({where}); {fix}.") from None
+
+
+def torch_save(obj, path: str | Path):
+    """torch.save to `path`, a write error raised as the OSError it was (torch reports a failed write, a full disk
+    among them, as a RuntimeError of its own, which `os_errors` could not name)."""
+
+    class KeepsWriteError:
+        def __init__(self, file):
+            self.file, self.error = file, None
+
+        def write(self, data):
+            try:
+                return self.file.write(data)
+            except OSError as error:
+                self.error = error
+                raise
+
+        def flush(self):
+            return self.file.flush()
+
+    with open(path, "wb") as file:
+        writer = KeepsWriteError(file)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
 
 
 def current_umask() -> int:
