@@ -296,6 +296,28 @@ def test_text_iterator_streamer(default_model_and_tokenizer):
     assert "".join(pieces) == tokenizer.decode(result["out"][0, ids.shape[1] :])
 
 
+def test_eight_threads_generating_from_one_model_each_get_their_own_tokens(default_model_and_tokenizer):
+    """One model shared by 8 threads, each greedy-decoding its own prompt (and one of them with prompt lookup) at the
+    same time: each gets the tokens it gets alone. The CPU kernels and the kernel switch keep no per-call state on
+    the model."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, tokenizer = default_model_and_tokenizer
+    prompts = [f"The {word} statement" for word in ("assert", "if", "for", "while", "with", "try", "raise", "return")]
+    ids = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in prompts]
+    modes = [{}] * 7 + [dict(prompt_lookup_num_tokens=3)]
+
+    def run(i):
+        with torch.no_grad():
+            return model.generate(ids[i], max_new_tokens=24, do_sample=False, eos_token_id=None, **modes[i])
+
+    alone = [run(i) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(run, range(8)))
+    for i in range(8):
+        assert torch.equal(together[i], alone[i]), prompts[i]
+
+
 def test_text_generation_pipeline(default_model_and_tokenizer):
     model, tokenizer = default_model_and_tokenizer
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
