@@ -4,6 +4,7 @@ that did not come from the file, and every mistake ends in one `samba-hf: error:
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -416,11 +417,11 @@ def test_a_full_or_read_only_file_system(tmp_path, capsys, monkeypatch, code, fi
 @pytest.fixture
 def full_disk(tmp_path):
     """A 1 MB file system of its own (tmpfs), where mounting is allowed (root on Linux); skipped elsewhere."""
-    import subprocess
 
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+    command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]
+    if shutil.which("mount") is None or subprocess.run(command, capture_output=True).returncode:
         pytest.skip("cannot mount a small file system here")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=True)  # (lazy: a file a failed test left open)

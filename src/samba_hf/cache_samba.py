@@ -80,12 +80,13 @@ class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new = key_states.shape[-2]
         window = self.sliding_window - 1
-        if self.is_initialized and not self.record_past and self.keys.shape[-2] > window:
-            # recording was turned off without a `crop`: the positions it kept beyond the window are let go
-            self.keys, self.values = (
-                self.keys[..., -window:, :].contiguous(),
-                self.values[..., -window:, :].contiguous(),
-            )
+        if self.record_past:
+            self._kept_recording = True
+        elif getattr(self, "_kept_recording", False):  # recording turned off without a `crop`: let go of what it kept
+            self._kept_recording = False
+            if self.keys.shape[-2] > window:
+                self.keys = self.keys[..., -window:, :].contiguous()
+                self.values = self.values[..., -window:, :].contiguous()
         if torch.compiler.is_exporting():  # a program's cache keeps one structure: transformers' layer (as exporters
             return super().update(key_states, value_states, *args, **kwargs)  # trace it), never the buffer
         if not self.is_initialized or new > window_slack(self.sliding_window):
@@ -121,6 +122,7 @@ class SambaSlidingWindowLayer(DynamicSlidingWindowLayer):
 
     def crop(self, tokens_to_remove: int):
         """transformers' crop, on the views of the buffer where the layer is written in place."""
+        self._kept_recording = False
         in_place = self._in_place()
         super().crop(tokens_to_remove)
         buffer = self._buffer[0] if in_place else None
