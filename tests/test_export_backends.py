@@ -152,13 +152,13 @@ def test_an_8da4w_pte_from_the_command_line_agrees_with_eager(tmp_path, capsys):
 
 
 # The main suite's torch.export tests on the layouts it leaves to this stage (its time budget): the prefill + decode
-# programs of SambaY, Samba with Mamba-2 and the Mamba-2-Hybrid layout; the on-device program of Samba with Mamba-2.
+# programs of SambaY, Samba with Mamba-2 and the Mamba-2-Hybrid layout; the on-device program of the same three.
 @pytest.mark.parametrize("name", ["sambay", "samba2", "megatron"])
 def test_torch_export_generation_programs_on_the_other_layouts(name):
     test_export.test_generation_programs_give_eagers_greedy_tokens_past_the_window(name)
 
 
-@pytest.mark.parametrize("name", ["samba2", "megatron"])
+@pytest.mark.parametrize("name", ["sambay", "samba2", "megatron"])
 def test_torch_export_on_device_program_of_the_other_layouts(name):
     test_export.test_the_on_device_program_gives_eagers_greedy_tokens_in_eager_and_exported(name)
 
