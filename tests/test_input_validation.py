@@ -439,3 +439,38 @@ def test_a_decoding_step_without_value_reads_runs_and_reads_nothing_back(monkeyp
                 got = model(ids[:, 11:], past_key_values=cache, attention_mask=mask, use_cache=True).logits
         assert reads == [], reads
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda ids: ids.float(), r"labels must hold token ids \(integers, -100 where no loss is wanted\), got dtype"),
+        (lambda ids: ids[:, :4], r"labels has shape \(2, 4\) but the input has \(batch, seq\) \(2, 6\)"),
+        (lambda ids: ids.masked_fill(ids > 50, -5), r"labels holds -5, neither a token id of the vocabulary"),
+        (lambda ids: ids + 200, r"labels holds \d+, neither a token id of the vocabulary \(0..96\) nor -100"),
+    ],
+)
+def test_labels_that_are_not_token_ids_of_the_input(model, ids, make, message):
+    """Float labels, labels of another length and ids outside the vocabulary: one error naming the labels (torch's
+    own messages name neither them nor the fix)."""
+    ids[0, 0] = 60  # (a value the third case changes)
+    with raises(message):
+        model(ids, labels=make(ids))
+
+
+def test_int32_labels_give_int64_labels_loss(model, ids):
+    labels = ids.masked_fill(ids < 10, -100)
+    with torch.no_grad():
+        expected = model(ids, labels=labels).loss
+        assert torch.equal(model(ids, labels=labels.int()).loss, expected)
+
+
+def test_inputs_embeds_of_another_dtype_or_not_finite(model, ids):
+    embeds = model.get_input_embeddings()(ids).detach()
+    with raises(r"inputs_embeds is torch.float64 but the model's embeddings are torch.float32: convert them"):
+        model(inputs_embeds=embeds.double())
+    for bad in (math.nan, math.inf):
+        broken = embeds.clone()
+        broken[1, 3, 0] = bad
+        with raises(r"inputs_embeds holds NaN or inf: the model would return NaN logits"):
+            model(inputs_embeds=broken)

@@ -68,7 +68,7 @@ from .kernels_samba import resolve_kernel_implementation
 from .linear_samba import SambaLinear
 from .speculative_samba import PausingPromptLookup
 from .ssm_samba import causal_conv, check_kernel_implementation, scan_keeping_states, selective_scan, ssd_scan
-from .validation_samba import check_inputs
+from .validation_samba import check_embeddings, check_inputs, check_labels
 
 logger = logging.get_logger(__name__)
 
@@ -709,6 +709,8 @@ class SambaModel(SambaPreTrainedModel):
         check_inputs(self.config, input_ids, inputs_embeds, attention_mask, cache.cache)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        else:
+            check_embeddings(inputs_embeds, self.embed_tokens.weight.dtype)
         documents = PackedDocuments.find(position_ids, attention_mask, cache, inputs_embeds.shape[0])
         if documents is not None:  # a packed (training) batch: nothing to continue from it, so no cache; the mask
             use_cache, cache, attention_mask = False, ForwardCache(None, self.config), None  # builders find them
@@ -893,6 +895,9 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
                 f"tensor of positions, got {logits_to_keep}"
             )
         keep_last = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else None
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if labels is not None and tokens is not None:
+            labels = check_labels(labels, tokens, self.config.vocab_size)
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -58,6 +58,52 @@ def check_inputs(config, input_ids, inputs_embeds, attention_mask, cache: Cache 
         check_attention_mask(attention_mask, batch, length, past_length(cache, config), values)
 
 
+def check_labels(labels: torch.Tensor, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The next-token loss's targets: integer token ids of the input's (batch, seq) shape, each in the vocabulary or
+    -100 (ignored); int32 ones are taken as int64, as `input_ids` are. Otherwise one ValueError (torch's own messages
+    name neither the labels nor the fix; a negative id other than -100 would index out of range)."""
+    if torch.compiler.is_compiling():
+        return labels
+    if labels.is_floating_point() or labels.dtype == torch.bool or labels.is_complex():
+        raise ValueError(
+            f"labels must hold token ids (integers, -100 where no loss is wanted), got dtype {labels.dtype}: use "
+            "`.long()` on ids, and pass the ids themselves, not one-hot or probability vectors."
+        )
+    if tuple(labels.shape) != tuple(tokens.shape[:2]):
+        raise ValueError(
+            f"labels has shape {tuple(labels.shape)} but the input has (batch, seq) {tuple(tokens.shape[:2])}: give "
+            "one label per input position, the input ids themselves for language modelling (the model shifts them "
+            "by one inside), with -100 where no loss is wanted."
+        )
+    if labels.device.type == "cpu":  # (on a GPU, reading them back would stop the host each step)
+        valid = (labels == -100) | ((labels >= 0) & (labels < vocab_size))
+        if not bool(valid.all()):
+            bad = labels[~valid][0].item()
+            raise ValueError(
+                f"labels holds {bad}, neither a token id of the vocabulary (0..{vocab_size - 1}) nor -100 (no loss "
+                "there): mark the positions to leave out with -100, and check that the labels come from this "
+                "model's tokenizer."
+            )
+    return labels.long()
+
+
+def check_embeddings(inputs_embeds: torch.Tensor, dtype: torch.dtype):
+    """`inputs_embeds` in the embedding's dtype (a float64 tensor into a float32 model ends in torch's dtype error
+    deep inside), and finite (NaN or inf would give NaN logits without a word)."""
+    if torch.compiler.is_compiling():
+        return
+    if inputs_embeds.dtype != dtype:
+        raise ValueError(
+            f"inputs_embeds is {inputs_embeds.dtype} but the model's embeddings are {dtype}: convert them with "
+            "`inputs_embeds.to(model.dtype)`."
+        )
+    if inputs_embeds.device.type == "cpu" and not bool(torch.isfinite(inputs_embeds).all()):
+        raise ValueError(
+            "inputs_embeds holds NaN or inf: the model would return NaN logits; check what computed them (an "
+            "overflow in float16, a division by zero)."
+        )
+
+
 def reads_values(tokens: torch.Tensor, cache: Cache | None, config) -> bool:
     """Whether the checks may look at the ids' and the mask's values: always on a CPU; on a GPU, not in a decoding
     step (one token per sequence over a `DynamicCache` holding earlier ones), where reading a value back waits for
