@@ -51,7 +51,7 @@ from run_benchmarks import (  # noqa: E402
     measure_bandwidth_gbs,
     synthetic_cache,
 )
-from vllm_serving import machine  # noqa: E402
+from vllm_serving import machine, write_json  # noqa: E402
 
 
 def dynamic_cache(model, name: str, context: int, in_place: bool):
@@ -429,10 +429,8 @@ def main():
             result["default_model_overhead"] = overhead(getattr(torch, dtype), args.repeats)
         report["results"][dtype] = result
         print(json.dumps({dtype: result}, indent=1), flush=True)
-    if args.out:  # whole or not at all
-        partial = args.out.with_name(args.out.name + ".partial")
-        partial.write_text(json.dumps(report, indent=1) + "\n")
-        partial.replace(args.out)
+    if args.out:
+        write_json(args.out, report)
 
 
 if __name__ == "__main__":

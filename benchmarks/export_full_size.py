@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_benchmarks import peak_rss_mib  # noqa: E402
-from vllm_serving import run_record  # noqa: E402
+from vllm_serving import run_record, write_json  # noqa: E402
 
 RELEASE_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "sambay" / "config.json"
 
@@ -94,9 +94,7 @@ def main():
         "pte_first_token_is_eager_quantized": first == expected,
     }
     print(json.dumps(result, indent=1))
-    partial = args.out.with_name(args.out.name + ".partial")  # whole or not at all
-    partial.write_text(json.dumps(result, indent=1) + "\n")
-    partial.replace(args.out)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_serving import run_record  # noqa: E402
+from vllm_serving import run_record, write_json  # noqa: E402
 
 PROMPT = "Samba is a hybrid model that"
 
@@ -210,9 +210,7 @@ def main():
         if "113m" in models:
             result["113m"] = samba_113m(args, Path(work))
     print(json.dumps(result, indent=1))
-    partial = args.out.with_name(args.out.name + ".partial")  # whole or not at all
-    partial.write_text(json.dumps(result, indent=1) + "\n")
-    partial.replace(args.out)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,13 @@ def run_record() -> dict:
     }
 
 
+def write_json(path: Path, result: dict):
+    """A benchmark's JSON, written whole or not at all (a `.partial` file beside it, renamed)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=1) + "\n")
+    partial.replace(path)
+
+
 def machine() -> str:
     model, flags = platform.processor(), set()
     try:

@@ -384,9 +384,9 @@ def load_assistant(path: str, tokenizer, main_tokenizer: str, device, dtype):
     """The model that drafts tokens for `--assistant`: any causal LM transformers loads (samba-hf's too), with the
     main model's tokenizer (drafts are token ids). A folder without a tokenizer of its own is read with the main
     model's (`main_tokenizer`, where it came from)."""
-    from .model_folder import VOCABULARY_FILES
+    from .model_folder import has_tokenizer
 
-    own = not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, name)) for name in VOCABULARY_FILES)
+    own = not os.path.isdir(path) or has_tokenizer(path)
     try:
         assistant_tokenizer, assistant = load(
             path, None if own else main_tokenizer, device, dtype, any_model=True, flag="--assistant"
@@ -404,14 +404,14 @@ def load_assistant(path: str, tokenizer, main_tokenizer: str, device, dtype):
 def check_assistant(path: str, assistant, model, prompt_tokens: int, new_tokens: int):
     """What transformers would find out only while generating, asked before: the assistant's vocabulary size (its
     logits are compared with the model's id by id) and the positions it takes."""
-    size, main_size = assistant.config.get_text_config().vocab_size, model.config.vocab_size
+    config = assistant.config.get_text_config()
+    size, main_size = config.vocab_size, model.config.vocab_size
     if size != main_size:
         raise UserError(
             f"--assistant {path!r} has a vocabulary of {size} entries and the model {main_size}: transformers takes "
             "an assistant only with the model's vocabulary size (drafts are compared id by id); use one trained with "
             "the model's tokenizer and embedding size, or --prompt-lookup"
         )
-    config = assistant.config.get_text_config()
     if getattr(config, "model_type", None) in ("samba", "phi4flash"):
         limit = max_prompt_tokens(config)
     else:  # (transformers' models: learned positions end there, rotary ones were trained to there)

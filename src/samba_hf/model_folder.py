@@ -91,9 +91,14 @@ def check_finite(model: torch.nn.Module, path) -> None:
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    """Whether a folder holds a tokenizer vocabulary of its own (one of `VOCABULARY_FILES`)."""
+    return any((Path(path) / name).is_file() for name in VOCABULARY_FILES)
+
+
 def check_tokenizer(path: str | os.PathLike) -> None:
     path = Path(path)
-    if not any((path / name).is_file() for name in VOCABULARY_FILES):
+    if not has_tokenizer(path):
         try:  # the released Phi-4-mini-flash-reasoning names another Hub repository's tokenizer here
             elsewhere = json.loads((path / "config.json").read_text()).get("auto_map", {}).get("AutoTokenizer")
         except (OSError, ValueError, AttributeError):

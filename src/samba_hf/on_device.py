@@ -197,15 +197,13 @@ def export_executorch(model, path, max_seq_len: int = 128, max_context_len: int 
     input_pos (1,))`, the state inside (`SambaOnDevice`), and the runner's metadata methods. `max_context_len`: the
     longest text (the full-attention layers' buffers; default `config.max_position_embeddings`, or 4096 where a
     layout has full-attention layers). The file is written whole or not at all."""
-    import os
-    import tempfile
     from pathlib import Path
 
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
-    from .conversion.writer import current_umask
+    from .conversion.writer import written_whole
 
     config = model.config
     if max_context_len is None:
@@ -244,13 +242,6 @@ def export_executorch(model, path, max_seq_len: int = 128, max_context_len: int 
         )
     )
     path = Path(path)
-    handle, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(handle, "wb") as out:
-            lowered.write_to_file(out)
-        os.chmod(partial, 0o666 & ~current_umask())  # (mkstemp's file is the owner's alone)
-        os.replace(partial, path)
-    except BaseException:
-        os.unlink(partial)
-        raise
+    with written_whole(path) as partial, open(partial, "wb") as out:
+        lowered.write_to_file(out)
     return path

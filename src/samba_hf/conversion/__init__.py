@@ -14,7 +14,6 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -31,16 +30,15 @@ from .writer import (
     atomic_folder,
     check_output,
     clean_stale,
-    current_umask,
     expected_tensors,
     os_errors,
     parse_size,
     push_folder,
-    temporary_name,
     torch_save,
     write_config_and_code,
     write_model_card,
     write_safetensors,
+    written_whole,
 )
 
 SOURCES = {
@@ -324,16 +322,8 @@ def write_checkpoint(checkpoint: dict, out: Path):
     """torch.save under a temporary name beside OUT, renamed at the end: OUT is whole or untouched."""
     with os_errors(out):
         out.parent.mkdir(parents=True, exist_ok=True)
-        handle, tmp = tempfile.mkstemp(prefix=temporary_name(out), suffix=".partial", dir=out.parent)
-    os.close(handle)
-    try:
-        with os_errors(out):
+        with written_whole(out) as tmp:
             torch_save(checkpoint, tmp)
-            os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp made it 0600
-            os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # A top-level key of every checkpoint file export writes: `--force` replaces only files that carry it (never a training

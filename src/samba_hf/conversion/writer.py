@@ -208,6 +208,22 @@ def os_errors(out: Path):
         raise ConversionError(f"cannot write {out}: {error.strerror or error} ({where}); {fix}.") from None
 
 
+@contextmanager
+def written_whole(out: Path):
+    """A temporary path beside `out` to write a file to: renamed to `out` when the block ends (with the permissions
+    the umask gives new files; mkstemp's are the owner's alone), removed if it fails or is interrupted. `out` is
+    whole or untouched."""
+    handle, tmp = tempfile.mkstemp(prefix=temporary_name(out), suffix=".partial", dir=out.parent)
+    os.close(handle)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def torch_save(obj, path: str | Path):
     """torch.save to `path`, a write error raised as the OSError it was (torch reports a failed write, a full disk
     among them, as a RuntimeError of its own, which `os_errors` could not name)."""
