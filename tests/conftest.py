@@ -1,5 +1,8 @@
 """Shared helpers: tiny Samba configs and models, built on the fly (no downloads)."""
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -97,3 +100,16 @@ def held_bytes(cache) -> int:
 def _deterministic():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MB file system of its own (tmpfs), where mounting is allowed (root on Linux); skipped elsewhere."""
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]
+    if shutil.which("mount") is None or subprocess.run(command, capture_output=True).returncode:
+        pytest.skip("cannot mount a small file system here")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)  # (lazy: a file a failed test left open)

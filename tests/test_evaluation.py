@@ -424,6 +424,15 @@ def test_eval_file_mistakes(capsys, tmp_path, llama_folder):
     one_line_error(capsys, ["eval", "passkey", "--model", str(tmp_path / "nope")], "no such model folder")
 
 
+def test_eval_kernels_on_a_model_that_is_not_samba_s(capsys, tmp_path, llama_folder):
+    """--kernels chooses samba-hf's kernels: given with a model of another library (which eval takes), one line
+    instead of a switch that would do nothing."""
+    text = tmp_path / "text.txt"
+    text.write_text("The grass is green and the sky is blue. " * 10)
+    argv = ["eval", "perplexity", "--model", str(llama_folder), "--text", str(text), "--kernels", "pytorch"]
+    one_line_error(capsys, argv, "--kernels pytorch chooses samba-hf's kernels", "is not a samba-hf model")
+
+
 def test_eval_refuses_a_model_with_weights_missing(capsys, tmp_path, llama_folder):
     import shutil
 

@@ -151,6 +151,42 @@ def test_continue_from_the_cache_of_a_forward(model, prompt):
     assert torch.equal(out, no_cache_greedy(model, prompt, NEW))
 
 
+@pytest.mark.parametrize("given", ["the prompt again", "fewer tokens", "only the new tokens, no mask"])
+def test_a_stale_cache_continued_is_one_error(model, prompt, given):
+    """A cache from an earlier generate holds the prompt and the tokens generated: continued with the prompt again
+    (or fewer tokens, or new tokens without a mask covering the cache), transformers fed the prompt again on top of
+    it (Llama alike: a continuation of nothing), or an empty input. One error instead; the cache is untouched."""
+    first = gen(model, prompt, do_sample=False, max_new_tokens=6, return_dict_in_generate=True)
+    cache = returned_cache(first)
+    held = cache.get_seq_length()
+    ids = {
+        "the prompt again": prompt,
+        "fewer tokens": prompt[:, :3],
+        "only the new tokens, no mask": torch.full((2, 2), 5),
+    }[given]
+    message = rf"^The cache already holds {held} positions, and generate was given {ids.shape[1]} tokens: .* pass"
+    with pytest.raises(ValueError, match=message):
+        model.generate(ids, **cache_kwarg(cache), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert cache.get_seq_length() == held
+
+
+def test_only_the_new_tokens_with_a_mask_over_the_cache_continue_it(model, prompt):
+    """transformers' other way to continue a cache: only the new tokens, with an attention mask of the whole text."""
+    first = gen(model, prompt, do_sample=False, max_new_tokens=6, return_dict_in_generate=True)
+    cache = returned_cache(first)
+    new = first.sequences[:, cache.get_seq_length() :]
+    out = model.generate(
+        new,
+        attention_mask=torch.ones_like(first.sequences),
+        **cache_kwarg(cache),
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    assert torch.equal(torch.cat([first.sequences, out[:, new.shape[1] :]], 1), no_cache_greedy(model, prompt, 11))
+
+
 def test_static_cache(model, prompt):
     assert torch.equal(
         gen(model, prompt, do_sample=False, cache_implementation="static"), no_cache_greedy(model, prompt, NEW)

@@ -349,6 +349,18 @@ def test_cache_that_is_not_a_cache(model, ids, argument, name):
         model.generate(ids, **{argument: cache}, max_new_tokens=2, do_sample=False)
 
 
+def test_an_encoder_decoder_cache_made_of_a_samba_cache(model, ids):
+    """Samba is a decoder. transformers' EncoderDecoderCache reads a single cache as key/value pairs, and failed on
+    a bare missing attribute (`'SambaMambaLayer' object has no attribute 'keys'`); it now says what the layer holds.
+    Built from two caches, it is refused where forward and generate take it."""
+    cache = DynamicCache(config=model.config)
+    model(ids, cache=cache, use_cache=True)
+    with pytest.raises(AttributeError, match=r"^A Samba cache's Mamba layer holds recurrent states, not keys and"):
+        EncoderDecoderCache(cache)
+    with pytest.raises(TypeError, match=r"got an EncoderDecoderCache \(for encoder-decoder models\)\.$"):
+        model(ids[:, :1], cache=EncoderDecoderCache(cache, DynamicCache()))
+
+
 @pytest.mark.parametrize("implementation", ["offloaded", "offloaded_static"])
 def test_offloaded_cache_off_a_gpu(model, ids, implementation):
     # transformers' offloading synchronises CUDA streams: without CUDA it fails on "Torch not compiled with CUDA

@@ -260,6 +260,58 @@ def test_a_torchao_int8_model_saves_and_reloads_as_int8(tmp_path):
             assert torch.equal(again(ids).logits, expected)
 
 
+def test_the_cli_generates_from_a_torchao_int8_folder_and_refuses_to_quantize_it_again(tmp_path, capsys):
+    """`samba-hf generate --model FOLDER` on a folder saved torchao-quantized: its weights pass the folder checks
+    (read as the layers' weights) and the text is the quantized model's own greedy text. `--quantize int8` on it is
+    one line (torchao failed on a view of its own int8 weights, a traceback)."""
+    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):
+        pytest.importorskip("torchao")
+    from test_cli import one_line_error
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TorchAoConfig
+
+    from samba_hf.cli import default_model_path
+    from samba_hf_cli import main
+
+    int8 = AutoModelForCausalLM.from_pretrained(
+        default_model_path(), dtype=torch.float32, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
+    ).eval()
+    int8.save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer.save_pretrained(tmp_path)
+    prompt = "The assert statement"
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        expected = int8.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    argv = ["generate", prompt, "--model", str(tmp_path), "--max-new-tokens", "6", "--dtype", "float32"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.rstrip("\n") == prompt + tokenizer.decode(expected[0, ids.shape[1] :])
+    one_line_error(capsys, [*argv, "--quantize", "int8"], "are torchao-quantized already", "leave out --quantize")
+
+
+def test_torchao_int8_then_generate_never_crashes_the_process_on_avx512():
+    """The case #50 found: on a CPU with AVX-512, `TorchAoConfig(Int8WeightOnlyConfig())` then `generate` ended the
+    process with a segmentation fault (the C kernel read the int8 tensor subclass as float32). Run as the issue
+    ran it, in a process of its own, so that a crash is this test's failure and not the suite's end."""
+    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):
+        pytest.importorskip("torchao")
+    code = """if True:
+        import torch
+        from torchao.quantization import Int8WeightOnlyConfig
+        from transformers import AutoModelForCausalLM, TorchAoConfig
+        from samba_hf.cli import default_model_path
+        from samba_hf import cpu_kernels_samba
+        model = AutoModelForCausalLM.from_pretrained(
+            default_model_path(), quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
+        )
+        out = model.generate(torch.tensor([[1, 450, 496, 1735]]), max_new_tokens=16, do_sample=False)
+        print(out.shape[1], cpu_kernels_samba.gemv_available())
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"exit status {result.returncode} (-11: a segmentation fault)\n{result.stderr}"
+    assert result.stdout.split()[0] == "20"
+
+
 @requires_kernel
 def test_the_kernel_on_torchao_int8_weights_equals_a_float64_product_of_them():
     """1 to 16 tokens, rows in blocks of 3 and a part, a tail past whole blocks of 16 values: within float32

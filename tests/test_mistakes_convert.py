@@ -4,7 +4,6 @@ that did not come from the file, and every mistake ends in one `samba-hf: error:
 import errno
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -412,19 +411,6 @@ def test_a_full_or_read_only_file_system(tmp_path, capsys, monkeypatch, code, fi
         fix,
     )
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
-
-
-@pytest.fixture
-def full_disk(tmp_path):
-    """A 1 MB file system of its own (tmpfs), where mounting is allowed (root on Linux); skipped elsewhere."""
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]
-    if shutil.which("mount") is None or subprocess.run(command, capture_output=True).returncode:
-        pytest.skip("cannot mount a small file system here")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)  # (lazy: a file a failed test left open)
 
 
 def test_convert_onto_a_real_full_file_system(tmp_path, capsys, full_disk):

@@ -341,3 +341,35 @@ def test_prompt_lookup_and_an_assistant_give_the_plain_greedy_text(capsys, folde
     for extra in (["--prompt-lookup", "4"], ["--assistant", str(folder)]):
         assert main(argv + extra) == 0
         assert capsys.readouterr().out == plain, extra
+
+
+def torchao_int8_folder(folder):
+    """The default model's folder as transformers saves it torchao-quantized (int8 weight-only): each linear
+    layer's weight as `_weight_qdata` (int8), `_weight_scale` and `_weight_zero_point`, and the quantization_config
+    in config.json. Made without torchao, whose absence is what is tested."""
+    import torch
+
+    def quantize(tensors):
+        for name in [n for n in tensors if n.endswith("_proj.weight") and n.startswith("model.layers.")]:
+            weight = tensors.pop(name)
+            scale = weight.abs().amax(1, keepdim=True) / 127
+            layer = name.removesuffix(".weight")
+            tensors[f"{layer}._weight_qdata"] = (weight / scale).round().to(torch.int8)
+            tensors[f"{layer}._weight_scale"] = scale
+            tensors[f"{layer}._weight_zero_point"] = torch.zeros_like(scale, dtype=torch.int8)
+
+    edit_weights(folder, quantize)
+    edit_config(folder, quantization_config={"quant_method": "torchao", "quant_type": {"default": {}}})
+
+
+def test_a_torchao_quantized_folder_without_torchao(capsys, folder):
+    """Its weights match its config.json (the quantized names are read as the layers' weights); what is missing is
+    torchao, and the line says so, where transformers raised an ImportError."""
+    torchao_int8_folder(folder)
+    refused(capsys, generate(folder), "are torchao-quantized", "torchao is not installed", "samba-hf[quantize]")
+
+
+def test_a_torchao_quantized_folder_missing_a_layer_s_int8_values_is_refused_as_incomplete(capsys, folder):
+    torchao_int8_folder(folder)
+    edit_weights(folder, lambda t: t.pop("model.layers.0.mlp.up_proj._weight_qdata"))
+    refused(capsys, generate(folder), "do not match its config.json", "missing (1): model.layers.0.mlp.up_proj.weight")

@@ -1,5 +1,6 @@
 """save_pretrained / from_pretrained, with our package and as remote code without it."""
 
+import errno
 import json
 import os
 import shutil
@@ -263,3 +264,74 @@ def test_a_save_replaces_the_weights_of_an_earlier_save_in_the_same_folder(tmp_p
     (folder / "notes.txt").write_text("mine")
     tiny_model(seed=5).save_pretrained(folder)  # nothing else of the folder is touched
     assert (folder / "notes.txt").read_text() == "mine"
+
+
+def fill(disk: Path, leave: int) -> int:
+    """Fills `disk` (the full_disk fixture's file system) but for `leave` bytes; its free blocks then."""
+    stat = os.statvfs(disk)
+    (disk / "filler").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - leave))
+    return os.statvfs(disk).f_bfree
+
+
+def saved_bytes(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("room", ["none", "code only"])
+def test_a_save_onto_a_full_disk_is_one_error_and_leaves_nothing(tmp_path, full_disk, room):
+    """transformers writes straight into the folder: a full disk left the files written so far (the remote code,
+    part of the weights) and the space they took. samba-hf's save fails whole: one OSError saying so, nothing in the
+    folder, the free space as before. "code only": room for the config and the remote code, not the weights
+    (safetensors' own error, "os error 28")."""
+    model = tiny_model()
+    code = sum(-(-os.path.getsize(os.path.join(samba_hf.__path__[0], f)) // 4096) * 4096 for f in REMOTE_CODE_FILES)
+    free = fill(full_disk, 16384 if room == "none" else code + 32768)
+    with pytest.raises(OSError, match=r"No space left on device while saving the model to .*free some space") as error:
+        model.save_pretrained(full_disk / "out")
+    assert error.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in full_disk.iterdir()) == ["filler"] and os.statvfs(full_disk).f_bfree == free
+
+
+def test_a_save_that_fails_leaves_an_earlier_save_as_it_was(tmp_path, full_disk):
+    """Saving again over a folder on a disk with no room for the new files: the earlier save is untouched and
+    still loads."""
+    folder = full_disk / "m"
+    tiny_model(seed=1, hidden_size=32, intermediate_size=64).save_pretrained(folder)
+    before = saved_bytes(folder)
+    free = fill(full_disk, 16384)
+    with pytest.raises(OSError, match="No space left on device"):
+        tiny_model(seed=2, hidden_size=32, intermediate_size=64).save_pretrained(folder, max_shard_size="20KB")
+    assert saved_bytes(folder) == before and os.statvfs(full_disk).f_bfree == free
+    assert sorted(p.name for p in full_disk.iterdir()) == ["filler", "m"]
+
+
+def test_an_interrupted_save_leaves_an_earlier_save_as_it_was(tmp_path, monkeypatch):
+    """Ctrl-C while the weights are written: the folder holds the earlier save, and no staging folder is left."""
+    import transformers.modeling_utils
+
+    folder = tmp_path / "m"
+    tiny_model(seed=1).save_pretrained(folder)
+    before = saved_bytes(folder)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # (another shape: its config.json differs)
+        tiny_model(seed=2, hidden_size=32, intermediate_size=64).save_pretrained(folder)
+    assert saved_bytes(folder) == before and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_a_save_with_fewer_shards_removes_the_earlier_save_s_extra_shards(tmp_path):
+    """transformers removes shards an earlier save left that the new one did not write; samba-hf's save, which
+    writes elsewhere first, keeps that rule."""
+    folder = tmp_path / "m"
+    tiny_model(seed=1).save_pretrained(folder, max_shard_size="20KB")
+    many = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    tiny_model(seed=2).save_pretrained(folder, max_shard_size="60KB")
+    few = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(few) < len(many) and few == sorted(set(index["weight_map"].values()))
+    reloaded = SambaForCausalLM.from_pretrained(folder)
+    for a, b in zip(reloaded.parameters(), tiny_model(seed=2).parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

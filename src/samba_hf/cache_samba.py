@@ -57,6 +57,23 @@ def check_cache_type(cache):
     )
 
 
+def check_cache_continues(cache: Cache | None, given: int, config):
+    """One ValueError for a cache that already holds as many positions as the tokens `generate` was given (a cache
+    from an earlier call, continued with its prompt again, or with only the new tokens and no longer mask):
+    transformers would feed all of them again on top of the cache, or nothing. Caches of layouts without attention
+    layers count no positions, and are not checked."""
+    if cache is None or not has_attention_layers(config) or isinstance(cache, EncoderDecoderCache):
+        return
+    held = cache.get_seq_length()
+    if held >= given:
+        raise ValueError(
+            f"The cache already holds {held} positions, and generate was given {given} tokens: a cache continues "
+            f"the text it was built from, so pass that whole text followed by the new tokens ({held + 1} or more "
+            "in all; or only the new ones with an attention_mask covering the whole text), or leave the cache out "
+            "(or pass a new `DynamicCache(config=model.config)`) to start from this prompt."
+        )
+
+
 def window_slack(sliding_window: int) -> int:
     """Positions a `SambaSlidingWindowLayer` keeps beyond the `sliding_window - 1` it must: one 16th of the window."""
     return max(1, sliding_window // 16)
@@ -157,6 +174,16 @@ class SambaMambaLayer(LinearAttentionLayer):
     last. transformers' layer keeps the conv window's inputs while recording and crops them itself. Each `crop` lets
     go of what was recorded: k + 1 states at most between two crops for a k-token draft (one more in a verification
     that starts with the prompt, `ForwardCache.tokens_to_record`)."""
+
+    @property
+    def keys(self):
+        """(A Mamba layer holds a convolution window and an SSM state, no keys or values: what iterates a cache as
+        key/value pairs, such as `EncoderDecoderCache(cache)`, gets this instead of a bare missing attribute.)"""
+        raise AttributeError(
+            "A Samba cache's Mamba layer holds recurrent states, not keys and values: a Samba cache cannot be read "
+            "as key/value pairs (as `EncoderDecoderCache(cache)` or a legacy tuple would); Samba is a decoder, so "
+            "pass the cache itself to the model or to generate."
+        )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

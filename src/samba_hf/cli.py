@@ -207,9 +207,17 @@ def _not_a_model_folder(path: str, flag: str) -> UserError:
     )
 
 
-def quantize_int8(model):
+def quantize_int8(model, path: str | None):
     """--quantize int8: every samba-hf linear layer's weight as torchao's int8 weight-only weight (int8 values and a
-    float32 scale per row); the embeddings and the output layer stay as loaded."""
+    float32 scale per row); the embeddings and the output layer stay as loaded. Refused for a folder saved
+    quantized (`path`)."""
+    from .model_folder import quantization_method
+
+    if (method := quantization_method(model.config)) is not None:
+        raise UserError(
+            f"--quantize int8: the weights in {path} are {method}-quantized already (quantization_config in its "
+            "config.json), and they run as they are: leave out --quantize"
+        )
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError:
@@ -291,7 +299,7 @@ def generate(args) -> int:
     dtype = chosen_dtype(args.dtype, device)
     tokenizer, model = load(args.model, args.tokenizer, device, dtype, kernels=args.kernels)
     if args.quantize:
-        quantize_int8(model)
+        quantize_int8(model, args.model)
     if args.model is None:
         print(f"samba-hf: {DEFAULT_MODEL_NOTE}", file=sys.stderr)
 

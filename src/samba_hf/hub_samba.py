@@ -5,7 +5,12 @@ Part of the remote code of a saved model: imports only torch, transformers (and 
 brings, for the card's metadata).
 """
 
+import errno
 import os
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
 
 # The remote code of a saved Samba folder: the modeling file and every file it imports, at any depth (transformers'
 # `get_relative_import_files` finds them; save_pretrained copies them, and the embedded models link them).
@@ -29,26 +34,63 @@ SAMBAY_REMOTE_CODE_FILES = ("configuration_sambay.py", "modeling_sambay.py", *RE
 
 
 def save_folder(model, save_directory, save, *args, **kwargs):
-    """`save(save_directory, *args, **kwargs)` (transformers' save_pretrained), plus what tools that never import
-    samba_hf need: an `auto_map` entry for `AutoModel` too (transformers writes only the saved class's), and a model
-    card with Hub metadata when the folder has no README.md (one that is there is never replaced). Saving shards
-    where an earlier save left one model.safetensors (or the reverse) removes the earlier one, as transformers
-    removes earlier shards: otherwise `from_pretrained` would load the earlier weights."""
+    """`save(save_directory, *args, **kwargs)` (transformers' save_pretrained), whole or not at all, plus what tools
+    that never import samba_hf need.
+
+    - Whole or not at all: the files are written into a hidden sibling folder and moved in one by one once every one
+      of them is written. A failed or interrupted save (a full disk included) leaves the folder as it was and the
+      disk's space free again; a full disk is one OSError that says so. Saves to push to the Hub, and those of a
+      process that is not the main one, go straight into the folder as transformers' do.
+    - An `auto_map` entry for `AutoModel` too (transformers writes only the saved class's), and a model card with Hub
+      metadata when the folder has no README.md (one that is there is never replaced).
+    - No earlier weights left beside the new ones: saving shards where an earlier save left one model.safetensors (or
+      the reverse) removes the earlier one, as transformers removes earlier shards; otherwise `from_pretrained` would
+      load the earlier weights.
+    """
     model.config.auto_map = {**(getattr(model.config, "auto_map", None) or {}), "AutoModel": model._auto_model_entry}
-    single, index = (
-        os.path.join(save_directory, name) for name in ("model.safetensors", "model.safetensors.index.json")
+    save_directory = os.fspath(save_directory)
+    if kwargs.get("push_to_hub") or not kwargs.get("is_main_process", True) or os.path.isfile(save_directory):
+        with named_as_saved(model):
+            save(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True) and os.path.isdir(save_directory):
+            write_card(model, save_directory, save_directory)
+        return
+    parent = os.path.dirname(os.path.abspath(save_directory))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(
+        prefix=f".{os.path.basename(os.path.abspath(save_directory))}.", suffix=".saving", dir=parent
     )
+    try:
+        with named_as_saved(model):
+            save(staging, *args, **kwargs)
+        write_card(model, staging, save_directory)
+        os.makedirs(save_directory, exist_ok=True)
+        written = sorted(os.listdir(staging))
+        earlier = earlier_weights(save_directory, written, kwargs.get("variant"))
+        for name in written:
+            os.replace(os.path.join(staging, name), os.path.join(save_directory, name))
+        for name in earlier:
+            os.remove(os.path.join(save_directory, name))
+    except Exception as error:
+        code = getattr(error, "errno", None)
+        if code is None:  # safetensors reports the system's error inside its own message ("... (os error 28)")
+            found = re.search(r"os error (\d+)", str(error))
+            code = found and int(found.group(1))
+        if code == errno.ENOSPC:
+            raise OSError(
+                errno.ENOSPC,
+                f"No space left on device while saving the model to {save_directory}; nothing was written there "
+                "(free some space, or save elsewhere)",
+            ) from error
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
-    def stamp(path):  # what tells a file this call wrote from the one that was there
-        try:
-            stat = os.stat(path)
-        except FileNotFoundError:
-            return None
-        return stat.st_mtime_ns, stat.st_ino, stat.st_size
 
-    before = {path: stamp(path) for path in (single, index)}
-    # A model sharded by FSDP2 is an instance of a class torch made (`FSDPSambaForCausalLM`, in torch's
-    # _fsdp_init.py): named as it is, the folder's remote code would be torch's FSDP files. Save the model's class.
+@contextmanager
+def named_as_saved(model):
+    """A model sharded by FSDP2 is an instance of a class torch made (`FSDPSambaForCausalLM`, in torch's
+    _fsdp_init.py): named as it is, the folder's remote code would be torch's FSDP files. Saves the model's class."""
     made = type(model)
     saved_class = next(c for c in made.__mro__ if not c.__module__.startswith("torch."))
     named = made.__module__, made.__name__, made.__qualname__
@@ -58,20 +100,41 @@ def save_folder(model, save_directory, save, *args, **kwargs):
         saved_class.__qualname__,
     )
     try:
-        save(save_directory, *args, **kwargs)
+        yield
     finally:
         made.__module__, made.__name__, made.__qualname__ = named
-    if kwargs.get("is_main_process", True):
-        written = [path for path in (single, index) if stamp(path) not in (None, before[path])]
-        if len(written) == 1:  # the other one, if there, is an earlier save's
-            earlier = index if written[0] == single else single
-            if os.path.isfile(earlier):
-                os.remove(earlier)
-        try:
-            with open(f"{save_directory}/README.md", "x") as card:  # "x": only where there is none
-                card.write(model_card(model.config, "Samba model", "Saved with samba-hf's `save_pretrained`."))
-        except FileExistsError:
-            pass
+
+
+def earlier_weights(folder: str, written: list[str], variant: str | None) -> list[str]:
+    """The weight files of an earlier save in `folder` that a save writing `written` makes stale: shards the new save
+    did not write (transformers' own rule), and the single file or the index of the other form."""
+    if not os.path.isdir(folder):
+        return []
+    weights = "model" if variant is None else f"model.{variant}"
+    if "adapter_model.safetensors" in written:
+        weights = "adapter_model"
+    single, index = f"{weights}.safetensors", f"{weights}.safetensors.index.json"
+    other = {single: index, index: single}
+    stale = {other[name] for name in (single, index) if name in written and (single in written) != (index in written)}
+    shard = re.compile(rf"{re.escape(weights)}.*-\d{{5}}-of-\d{{5}}\.safetensors")
+    return sorted(
+        name
+        for name in os.listdir(folder)
+        if name not in written
+        and os.path.isfile(os.path.join(folder, name))
+        and (name in stale or shard.fullmatch(name))
+    )
+
+
+def write_card(model, folder: str, target: str):
+    """A model card into `folder`, unless `target` (the folder the save is for) has a README.md."""
+    if os.path.exists(os.path.join(target, "README.md")):
+        return
+    try:
+        with open(os.path.join(folder, "README.md"), "x") as card:  # "x": only where there is none
+            card.write(model_card(model.config, "Samba model", "Saved with samba-hf's `save_pretrained`."))
+    except FileExistsError:
+        pass
 
 
 def hub_metadata(license: str = "unknown", base_model: str | None = None, extra_tags: list[str] = ()) -> str:

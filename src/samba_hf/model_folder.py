@@ -13,6 +13,7 @@ module checks the folder first and raises one `ModelFolderError` that names the 
 chat format (the released Phi-4-mini-flash-reasoning folder has a chat template and chat tokens, but no vocabulary).
 """
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -61,16 +62,34 @@ def read_config(path: str | os.PathLike) -> PreTrainedConfig:
 
 
 def check_weights(path: str | os.PathLike, config: SambaConfig) -> None:
-    """The folder's tensors are exactly those `config` implies, with the same shapes (read from the file headers)."""
+    """The folder's tensors are exactly those `config` implies, with the same shapes (read from the file headers).
+    A folder of torchao-quantized weights (`quantization_config` in config.json) stores a quantized layer's weight
+    as `<layer>._weight_qdata` (the weight's shape) beside its scale and zero point."""
     from .conversion.writer import expected_tensors
 
+    checkpoint = Checkpoint(path)
+    expected, quantized = expected_tensors(config), set()
+    if getattr(config, "quantization_config", None):
+        present = set(checkpoint.keys())
+        for name in [name for name in expected if name.endswith(".weight")]:
+            layer = name.removesuffix(".weight")
+            if f"{layer}._weight_qdata" in present:
+                expected[f"{layer}._weight_qdata"] = expected.pop(name)
+                quantized.add(layer)
     tied_head = config.tie_word_embeddings  # a tied head is not stored; a copy of it may be
+
+    def ignored(name: str) -> bool:
+        layer, _, part = name.rpartition(".")
+        return (tied_head and name == "lm_head.weight") or (
+            layer in quantized and part in ("_weight_scale", "_weight_zero_point")
+        )
+
     try:
         check_layout(
-            Checkpoint(path),
-            expected_tensors(config),
+            checkpoint,
+            expected,
             "samba-hf",
-            ignored=lambda name: tied_head and name == "lm_head.weight",
+            ignored=ignored,
             header=f"the weights in {path} do not match its config.json:",
             likely_cause="the weights and config.json come from different models, or the files are incomplete.",
         )
@@ -78,14 +97,33 @@ def check_weights(path: str | os.PathLike, config: SambaConfig) -> None:
         raise ModelFolderError(str(error)) from None
 
 
+def quantization_method(config) -> str | None:
+    """The `quant_method` of a folder's config.json (its weights were saved quantized: "torchao", ...), or None."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    return getattr(method, "value", method)  # (a loaded model's config holds transformers' enum)
+
+
 def check_finite(model: torch.nn.Module, path) -> None:
     # named_parameters lists a tied head once (state_dict would read the embedding matrix twice)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ModelFolderError(
-                f"{name} in {path} holds NaN or inf values: the weights are damaged (a diverged or interrupted "
-                "training run?); use another checkpoint"
-            )
+        for part in plain_parts(tensor):
+            if part.is_floating_point() and not bool(torch.isfinite(part).all()):
+                raise ModelFolderError(
+                    f"{name} in {path} holds NaN or inf values: the weights are damaged (a diverged or interrupted "
+                    "training run?); use another checkpoint"
+                )
+
+
+def plain_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a weight is stored as: itself, or a quantized tensor subclass's own (torchao's int8 values,
+    scales and zero points), which the subclass does not compute on directly."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [part for name in names for part in plain_parts(getattr(tensor, name))]
 
 
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -132,6 +170,11 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str = "auto", confi
     (`config`: the folder's, when `read_config` has already read it)."""
     config = config or read_config(path)
     check_weights(path, config)
+    if quantization_method(config) == "torchao" and importlib.util.find_spec("torchao") is None:
+        raise ModelFolderError(
+            f"the weights in {path} are torchao-quantized (quantization_config in its config.json), and torchao is "
+            "not installed: pip install 'samba-hf[quantize]' (or pip install torchao)"
+        )
     try:
         model = model_classes()[config.model_type][1].from_pretrained(path, config=config, dtype=dtype)
     except (OSError, RuntimeError, ValueError) as error:  # the checks above leave only unreadable tensor data

@@ -56,6 +56,7 @@ from .cache_samba import (
     CACHE_NAME,
     ForwardCache,
     cache_nbytes,
+    check_cache_continues,
     check_cache_type,
     check_static_cache_room,
     has_attention_layers,
@@ -966,6 +967,17 @@ class SambaForCausalLM(SambaPreTrainedModel, GenerationMixin):
         )
         if cache is not None:
             check_static_cache_room(cache, self.config, max_cache_length)
+
+    def _prefill(self, input_ids, generation_config, model_kwargs: dict, *args, **kwargs):
+        """transformers' prefill, refusing a cache that already holds every token given (`check_cache_continues`):
+        transformers would feed the whole prompt again on top of it, or an empty input."""
+        embeds = model_kwargs.get("inputs_embeds")
+        given = input_ids.shape[1] if embeds is None else embeds.shape[1]
+        mask = model_kwargs.get("attention_mask")
+        mask_length = mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)
+        if embeds is not None or mask_length == given:  # (where transformers cuts the input by the cache's length)
+            check_cache_continues(model_kwargs.get(CACHE_NAME), given, self.config)
+        return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
 
     def _assisted_decoding(self, input_ids, *args, **model_kwargs):
         """transformers' assisted decoding; the cache it hands back (`return_dict_in_generate`, or one passed in) no
