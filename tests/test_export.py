@@ -256,6 +256,8 @@ def test_export_executorch_without_executorch_names_the_extra(capsys, tmp_path, 
         (["--model", "model.pte", "--tokenizer", "."], ["no tokenizer.json at '.'"]),
         (["--model", "model.pte", "--chat"], ["--chat: a .pte runs as it was exported"]),
         (["--model", "model.pte", "--dtype", "bfloat16"], ["--dtype bfloat16: a .pte runs as it was exported"]),
+        (["--model", "model.pte", "--quantize", "int8"], ["--quantize: a .pte runs as it was exported"]),
+        (["--model", "model.pte", "--kernels", "pytorch"], ["--kernels pytorch: a .pte runs as it was exported"]),
         (
             ["--model", "model.pte", "--tokenizer", "DEFAULT"],
             ["a .pte runs in ExecuTorch: pip install 'samba-hf[export]'"],
