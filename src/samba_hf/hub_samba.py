@@ -37,10 +37,11 @@ def save_folder(model, save_directory, save, *args, **kwargs):
     """`save(save_directory, *args, **kwargs)` (transformers' save_pretrained), whole or not at all, plus what tools
     that never import samba_hf need.
 
-    - Whole or not at all: the files are written into a hidden sibling folder and moved in one by one once every one
-      of them is written. A failed or interrupted save (a full disk included) leaves the folder as it was and the
-      disk's space free again; a full disk is one OSError that says so. Saves to push to the Hub, and those of a
-      process that is not the main one, go straight into the folder as transformers' do.
+    - Whole or not at all: the files are written into a hidden folder inside the target (`.samba-hf-saving-*`) and
+      moved out one by one once every one of them is written. A failed or interrupted save (a full disk included)
+      leaves the folder as it was (or absent) and the disk's space free again; a full disk is one OSError that says
+      so. Saves to push to the Hub, and those of a process that is not the main one, go straight into the folder
+      as transformers' do.
     - An `auto_map` entry for `AutoModel` too (transformers writes only the saved class's), and a model card with Hub
       metadata when the folder has no README.md (one that is there is never replaced).
     - No earlier weights left beside the new ones: saving shards where an earlier save left one model.safetensors (or
@@ -55,16 +56,13 @@ def save_folder(model, save_directory, save, *args, **kwargs):
         if kwargs.get("is_main_process", True) and os.path.isdir(save_directory):
             write_card(model, save_directory, save_directory)
         return
-    parent = os.path.dirname(os.path.abspath(save_directory))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(
-        prefix=f".{os.path.basename(os.path.abspath(save_directory))}.", suffix=".saving", dir=parent
-    )
+    created = not os.path.isdir(save_directory)
+    os.makedirs(save_directory, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".samba-hf-saving-", dir=save_directory)  # (same file system: renames)
     try:
         with named_as_saved(model):
             save(staging, *args, **kwargs)
         write_card(model, staging, save_directory)
-        os.makedirs(save_directory, exist_ok=True)
         written = sorted(os.listdir(staging))
         earlier = earlier_weights(save_directory, written, kwargs.get("variant"))
         for name in written:
@@ -85,6 +83,8 @@ def save_folder(model, save_directory, save, *args, **kwargs):
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if created and not os.listdir(save_directory):  # a failed save into a folder it made: none left
+            os.rmdir(save_directory)
 
 
 @contextmanager
