@@ -12,6 +12,7 @@ from conftest import cache_kwarg, held_bytes, returned_cache, tiny_model
 from transformers import (
     AutoTokenizer,
     DynamicCache,
+    StaticCache,
     StoppingCriteria,
     StoppingCriteriaList,
     TextIteratorStreamer,
@@ -168,6 +169,17 @@ def test_a_stale_cache_continued_is_one_error(model, prompt, given):
     with pytest.raises(ValueError, match=message):
         model.generate(ids, **cache_kwarg(cache), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert cache.get_seq_length() == held
+
+
+def test_a_static_cache_reused_for_a_new_prompt_without_reset_is_one_error(model, prompt):
+    """A StaticCache kept across calls holds the earlier text until `reset()`: a new prompt without it is refused,
+    naming the reset; after it, the tokens are those of a fresh cache."""
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    first = gen(model, prompt, do_sample=False, max_new_tokens=6, **cache_kwarg(cache))
+    with pytest.raises(ValueError, match=r"call `cache.reset\(\)` on a StaticCache"):
+        gen(model, prompt, do_sample=False, max_new_tokens=6, **cache_kwarg(cache))
+    cache.reset()
+    assert torch.equal(gen(model, prompt, do_sample=False, max_new_tokens=6, **cache_kwarg(cache)), first)
 
 
 def test_only_the_new_tokens_with_a_mask_over_the_cache_continue_it(model, prompt):

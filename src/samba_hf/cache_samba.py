@@ -69,8 +69,9 @@ def check_cache_continues(cache: Cache | None, given: int, config):
         raise ValueError(
             f"The cache already holds {held} positions, and generate was given {given} tokens: a cache continues "
             f"the text it was built from, so pass that whole text followed by the new tokens ({held + 1} or more "
-            "in all; or only the new ones with an attention_mask covering the whole text), or leave the cache out "
-            "(or pass a new `DynamicCache(config=model.config)`) to start from this prompt."
+            "in all; or only the new ones with an attention_mask covering the whole text), or start from this prompt "
+            "with a new cache (leave it out, pass a new `DynamicCache(config=model.config)`, or call "
+            "`cache.reset()` on a StaticCache)."
         )
 
 
