@@ -1,5 +1,6 @@
 """Shared helpers: tiny Samba configs and models, built on the fly (no downloads)."""
 
+import os
 import shutil
 import subprocess
 
@@ -113,3 +114,11 @@ def full_disk(tmp_path):
         pytest.skip("cannot mount a small file system here")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=True)  # (lazy: a file a failed test left open)
+
+
+def fill_disk(disk, leave: int) -> int:
+    """Fills `disk` (the full_disk fixture's file system) with a file named "filler", but for `leave` bytes; its free
+    blocks then."""
+    stat = os.statvfs(disk)
+    (disk / "filler").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - leave))
+    return os.statvfs(disk).f_bfree

@@ -186,16 +186,48 @@ def test_the_environment_variable_turns_the_kernel_off():
     assert result.returncode == 0 and result.stdout.split() == ["True"], result.stderr
 
 
+def needs_torchao():
+    """Skips a torchao test where torchao is missing; .ci/run's torchao stage installs it and sets
+    SAMBA_HF_TEST_TORCHAO: no skip there."""
+    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):
+        pytest.importorskip("torchao")
+
+
+def int8_default_model():
+    """The embedded default in float32, its linear layers as torchao's int8 weight-only weights (transformers'
+    TorchAoConfig)."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    from samba_hf.cli import default_model_path
+
+    return AutoModelForCausalLM.from_pretrained(
+        default_model_path(), dtype=torch.float32, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def saved_int8(tmp_path_factory):
+    """The int8 default model, and a folder it was saved to with the default's tokenizer."""
+    needs_torchao()
+    from transformers import AutoTokenizer
+
+    from samba_hf.cli import default_model_path
+
+    int8, folder = int8_default_model(), tmp_path_factory.mktemp("int8")
+    int8.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(folder)
+    return int8, folder
+
+
 def test_a_torchao_int8_model_reads_its_int8_weights_in_the_kernel_and_agrees_with_float32(monkeypatch):
     """torchao's int8 weight-only weights (transformers' TorchAoConfig) are tensor subclasses that say float32: the C
     kernel must never read them as floats (it crashed the process so). The kernel reads their int8 values with one
     scale per row instead. The embedded default, quantized, generates; every product the kernel takes gets a plain
     tensor (the int8 values) and a scale; teacher-forced on float32's own greedy text (256 tokens), the top-1 token
     agrees with float32's at 99% of the positions or more."""
-    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):  # (.ci/run sets it where it installs torchao: no skip there)
-        pytest.importorskip("torchao")
-    from torchao.quantization import Int8WeightOnlyConfig
-    from transformers import AutoModelForCausalLM, TorchAoConfig
+    needs_torchao()
+    from transformers import AutoModelForCausalLM
 
     from samba_hf.cli import default_model_path
 
@@ -206,11 +238,8 @@ def test_a_torchao_int8_model_reads_its_int8_weights_in_the_kernel_and_agrees_wi
         return KERNEL(x, weight, bias, scale)
 
     monkeypatch.setattr(linear_samba, "gemv_cpu", counted)
-    path = default_model_path()
-    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    int8 = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
-    ).eval()
+    full = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    int8 = int8_default_model()
     quantized = [m for m in int8.modules() if isinstance(m, SambaLinear) and type(m.weight) is not nn.Parameter]
     assert quantized, "torchao quantized no linear layer"
     ids = torch.tensor([[1, 450, 496, 1735]])
@@ -224,28 +253,20 @@ def test_a_torchao_int8_model_reads_its_int8_weights_in_the_kernel_and_agrees_wi
     assert (top[0] == top[1]).float().mean() >= 0.99
 
 
-def test_a_torchao_int8_model_saves_and_reloads_as_int8(tmp_path):
+def test_a_torchao_int8_model_saves_and_reloads_as_int8(saved_int8):
     """save_pretrained writes the int8 values and scales (under half of float32's bytes here, the tied embedding
     staying float32); from_pretrained, installed or from the folder's own code, gives back the same int8 weights,
     and logits equal to the quantized model's before saving."""
-    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):
-        pytest.importorskip("torchao")
-    from torchao.quantization import Int8WeightOnlyConfig
-    from transformers import AutoModelForCausalLM, TorchAoConfig
+    from transformers import AutoModelForCausalLM
 
-    from samba_hf.cli import default_model_path
-
-    int8 = AutoModelForCausalLM.from_pretrained(
-        default_model_path(), dtype=torch.float32, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
-    ).eval()
-    int8.save_pretrained(tmp_path)
+    int8, folder = saved_int8
     full_bytes = 4 * sum(p.numel() for p in int8.parameters())
-    assert (tmp_path / "model.safetensors").stat().st_size < full_bytes / 2
+    assert (folder / "model.safetensors").stat().st_size < full_bytes / 2
     ids = torch.tensor([[1, 450, 496, 1735, 13, 7]])
     with torch.no_grad():
         expected = int8(ids).logits
     for remote in (False, True):
-        again = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=remote).eval()
+        again = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote).eval()
         assert again.config.quantization_config is not None
         pairs = [
             (m.weight, dict(again.named_modules())[name].weight)
@@ -260,30 +281,22 @@ def test_a_torchao_int8_model_saves_and_reloads_as_int8(tmp_path):
             assert torch.equal(again(ids).logits, expected)
 
 
-def test_the_cli_generates_from_a_torchao_int8_folder_and_refuses_to_quantize_it_again(tmp_path, capsys):
+def test_the_cli_generates_from_a_torchao_int8_folder_and_refuses_to_quantize_it_again(saved_int8, capsys):
     """`samba-hf generate --model FOLDER` on a folder saved torchao-quantized: its weights pass the folder checks
     (read as the layers' weights) and the text is the quantized model's own greedy text. `--quantize int8` on it is
     one line (torchao failed on a view of its own int8 weights, a traceback)."""
-    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):
-        pytest.importorskip("torchao")
     from test_cli import one_line_error
-    from torchao.quantization import Int8WeightOnlyConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TorchAoConfig
+    from transformers import AutoTokenizer
 
-    from samba_hf.cli import default_model_path
     from samba_hf_cli import main
 
-    int8 = AutoModelForCausalLM.from_pretrained(
-        default_model_path(), dtype=torch.float32, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
-    ).eval()
-    int8.save_pretrained(tmp_path)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    tokenizer.save_pretrained(tmp_path)
+    int8, folder = saved_int8
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     prompt = "The assert statement"
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad():
         expected = int8.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
-    argv = ["generate", prompt, "--model", str(tmp_path), "--max-new-tokens", "6", "--dtype", "float32"]
+    argv = ["generate", prompt, "--model", str(folder), "--max-new-tokens", "6", "--dtype", "float32"]
     assert main(argv) == 0
     assert capsys.readouterr().out.rstrip("\n") == prompt + tokenizer.decode(expected[0, ids.shape[1] :])
     one_line_error(capsys, [*argv, "--quantize", "int8"], "are torchao-quantized already", "leave out --quantize")
@@ -293,8 +306,7 @@ def test_torchao_int8_then_generate_never_crashes_the_process_on_avx512():
     """The case #50 found: on a CPU with AVX-512, `TorchAoConfig(Int8WeightOnlyConfig())` then `generate` ended the
     process with a segmentation fault (the C kernel read the int8 tensor subclass as float32). Run as the issue
     ran it, in a process of its own, so that a crash is this test's failure and not the suite's end."""
-    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):
-        pytest.importorskip("torchao")
+    needs_torchao()
     code = """if True:
         import torch
         from torchao.quantization import Int8WeightOnlyConfig
@@ -316,8 +328,7 @@ def test_torchao_int8_then_generate_never_crashes_the_process_on_avx512():
 def test_the_kernel_on_torchao_int8_weights_equals_a_float64_product_of_them():
     """1 to 16 tokens, rows in blocks of 3 and a part, a tail past whole blocks of 16 values: within float32
     rounding of float64's product of scale * q."""
-    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):
-        pytest.importorskip("torchao")
+    needs_torchao()
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     torch.manual_seed(0)
@@ -348,8 +359,7 @@ def test_generate_quantize_int8_with_torchao_generates_from_int8_weights(capsys,
     """With torchao: every samba-hf linear layer of the embedded default is quantized (the output layer is not), the
     kernel reads their int8 values, and the text is float32's for its first tokens (the 99% teacher-forced agreement
     is tested above)."""
-    if not os.environ.get("SAMBA_HF_TEST_TORCHAO"):
-        pytest.importorskip("torchao")
+    needs_torchao()
     from samba_hf_cli import main
 
     scales = []

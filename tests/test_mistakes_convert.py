@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import fill_disk, tiny_model
 from safetensors.torch import load_file, save_file
 from test_conversion_official import official_config, official_state_dict, save_fla, save_official, true_model
 from test_conversion_transformers import save_mamba
@@ -416,9 +416,7 @@ def test_a_full_or_read_only_file_system(tmp_path, capsys, monkeypatch, code, fi
 def test_convert_onto_a_real_full_file_system(tmp_path, capsys, full_disk):
     """safetensors' own error ended the command before; now one line, nothing left there, the space free again."""
     save_mamba(tmp_path / "mamba", layers=2)
-    stat = os.statvfs(full_disk)
-    (full_disk / "filler").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 16384))  # 16 KB left: too little
-    free = os.statvfs(full_disk).f_bfree
+    free = fill_disk(full_disk, 16384)  # 16 KB left: too little
     one_line_error(
         capsys,
         ["convert", "mamba", str(tmp_path / "mamba"), str(full_disk / "out"), "--no-verify"],
@@ -463,9 +461,7 @@ def test_export_onto_a_full_file_system(tmp_path, capsys, monkeypatch):
 
 def test_export_onto_a_real_full_file_system(tmp_path, capsys, full_disk):
     folder = exportable_folder(tmp_path)
-    stat = os.statvfs(full_disk)
-    (full_disk / "filler").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 16384))
-    free = os.statvfs(full_disk).f_bfree
+    free = fill_disk(full_disk, 16384)
     one_line_error(capsys, ["export", "lit-gpt", str(folder), str(full_disk / "model.pth")], "No space left on device")
     assert [p.name for p in full_disk.iterdir()] == ["filler"] and os.statvfs(full_disk).f_bfree == free
 

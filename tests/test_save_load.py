@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import fill_disk, tiny_model
 from transformers import AutoModelForCausalLM
 
 import samba_hf
@@ -266,13 +266,6 @@ def test_a_save_replaces_the_weights_of_an_earlier_save_in_the_same_folder(tmp_p
     assert (folder / "notes.txt").read_text() == "mine"
 
 
-def fill(disk: Path, leave: int) -> int:
-    """Fills `disk` (the full_disk fixture's file system) but for `leave` bytes; its free blocks then."""
-    stat = os.statvfs(disk)
-    (disk / "filler").write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - leave))
-    return os.statvfs(disk).f_bfree
-
-
 def saved_bytes(folder: Path) -> dict:
     return {p.name: p.read_bytes() for p in folder.iterdir()}
 
@@ -285,7 +278,7 @@ def test_a_save_onto_a_full_disk_is_one_error_and_leaves_nothing(tmp_path, full_
     (safetensors' own error, "os error 28")."""
     model = tiny_model()
     code = sum(-(-os.path.getsize(os.path.join(samba_hf.__path__[0], f)) // 4096) * 4096 for f in REMOTE_CODE_FILES)
-    free = fill(full_disk, 16384 if room == "none" else code + 32768)
+    free = fill_disk(full_disk, 16384 if room == "none" else code + 32768)
     with pytest.raises(OSError, match=r"No space left on device while saving the model to .*free some space") as error:
         model.save_pretrained(full_disk / "out")
     assert error.value.errno == errno.ENOSPC
@@ -298,7 +291,7 @@ def test_a_save_that_fails_leaves_an_earlier_save_as_it_was(tmp_path, full_disk)
     folder = full_disk / "m"
     tiny_model(seed=1, hidden_size=32, intermediate_size=64).save_pretrained(folder)
     before = saved_bytes(folder)
-    free = fill(full_disk, 16384)
+    free = fill_disk(full_disk, 16384)
     with pytest.raises(OSError, match="No space left on device"):
         tiny_model(seed=2, hidden_size=32, intermediate_size=64).save_pretrained(folder, max_shard_size="20KB")
     assert saved_bytes(folder) == before and os.statvfs(full_disk).f_bfree == free

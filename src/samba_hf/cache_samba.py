@@ -61,8 +61,9 @@ def check_cache_continues(cache: Cache | None, given: int, config):
     """One ValueError for a cache that already holds as many positions as the tokens `generate` was given (a cache
     from an earlier call, continued with its prompt again, or with only the new tokens and no longer mask):
     transformers would feed all of them again on top of the cache, or nothing. Caches of layouts without attention
-    layers count no positions, and are not checked."""
-    if cache is None or not has_attention_layers(config) or isinstance(cache, EncoderDecoderCache):
+    layers count no positions, and are not checked. (A cache of another kind was refused before, by
+    `check_cache_type`.)"""
+    if cache is None or not has_attention_layers(config):
         return
     held = cache.get_seq_length()
     if held >= given:

@@ -70,11 +70,7 @@ def save_folder(model, save_directory, save, *args, **kwargs):
         for name in earlier:
             os.remove(os.path.join(save_directory, name))
     except Exception as error:
-        code = getattr(error, "errno", None)
-        if code is None:  # safetensors reports the system's error inside its own message ("... (os error 28)")
-            found = re.search(r"os error (\d+)", str(error))
-            code = found and int(found.group(1))
-        if code == errno.ENOSPC:
+        if system_error_code(error) == errno.ENOSPC:
             raise OSError(
                 errno.ENOSPC,
                 f"No space left on device while saving the model to {save_directory}; nothing was written there "
@@ -85,6 +81,15 @@ def save_folder(model, save_directory, save, *args, **kwargs):
         shutil.rmtree(staging, ignore_errors=True)
         if created and not os.listdir(save_directory):  # a failed save into a folder it made: none left
             os.rmdir(save_directory)
+
+
+def system_error_code(error: BaseException) -> int | None:
+    """The system's error number a failed write carries: an OSError's errno, or the one safetensors reports inside
+    its own message ("... (os error 28)")."""
+    if isinstance(error, OSError):
+        return error.errno
+    found = re.search(r"os error (\d+)", str(error))
+    return int(found.group(1)) if found else None
 
 
 @contextmanager

@@ -23,7 +23,7 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from ..configuration_samba import SambaConfig
 from ..configuration_sambay import SambaYConfig
-from ..hub_samba import SAMBAY_REMOTE_CODE_FILES, model_card
+from ..hub_samba import SAMBAY_REMOTE_CODE_FILES, model_card, system_error_code
 from ..modeling_samba import SambaForCausalLM
 from ..modeling_sambay import SambaYForCausalLM
 from .checkpoint import ConversionError
@@ -192,10 +192,10 @@ def os_errors(out: Path):
         try:
             yield
         except SafetensorError as error:  # safetensors reports the system's error inside its own message
-            code = re.search(r"os error (\d+)", str(error))
+            code = system_error_code(error)
             if code is None:
                 raise
-            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), None) from None
+            raise OSError(code, os.strerror(code), None) from None
     except OSError as error:
         where = error.filename or out
         fix = {
